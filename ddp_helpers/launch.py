@@ -1,0 +1,429 @@
+"""Run a function on N worker processes that form a torch.distributed process group.
+
+    from ddp_helpers import launch
+    results = launch(fn, world_size=4, backend="gloo")   # results[r] is what rank r returned
+
+How it works, and why:
+- Workers are started by `torch.multiprocessing.start_processes` with the
+  *forkserver* start method. The forkserver is a fresh Python process (never a
+  fork of the notebook kernel, which may have touched CUDA) that imports torch
+  once; every launch then forks cheap copies of it. Spawn would import torch
+  anew in every worker, which takes seconds.
+- `fn` may be defined in the notebook: it travels by value, with cloudpickle.
+- The launcher hosts the rendezvous store (a `TCPStore` on 127.0.0.1, on a port
+  the OS picks), as torchrun's agent does, and gives each worker the
+  environment torchrun would give it. No fixed port, so re-runs never clash.
+- Each rank's stdout and stderr come back through a pipe and are printed
+  line by line as `[rank N] ...`; a full log per rank stays in the run folder.
+- Errors, crashes, hangs and the Interrupt button all end every worker and
+  raise in the calling cell (`WorkerError`, `WorkerTimeout`, `KeyboardInterrupt`).
+"""
+import itertools
+import linecache
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from datetime import timedelta
+
+import cloudpickle
+import torch.distributed as dist
+import torch.multiprocessing
+
+from . import machine
+from .worker import WorkerJob, error_file, result_file, run_worker, stderr_pipe, stdout_pipe
+
+BACKENDS = ("gloo", "nccl", "auto")
+MAX_WORLD_SIZE = 64          # one machine; past this use torchrun across nodes
+STOP_GRACE_S = 2.0           # SIGTERM, then SIGKILL after this long
+KEPT_RUN_DIRS = 20           # logs of the most recent launches kept on disk
+_run_counter = itertools.count()
+
+
+class WorkerError(RuntimeError):
+    """A worker raised, crashed or was killed. `rank`, `exc_type`, `exc_message`,
+    `remote_traceback` describe the first rank that failed; `log_dir` holds full logs."""
+
+    def __init__(self, message, rank=None, exc_type=None, exc_message=None,
+                 remote_traceback=None, log_dir=None, failures=None):
+        super().__init__(message)
+        self.rank = rank
+        self.exc_type = exc_type
+        self.exc_message = exc_message
+        self.remote_traceback = remote_traceback
+        self.log_dir = log_dir
+        self.failures = failures or {}
+
+
+class WorkerTimeout(WorkerError, TimeoutError):
+    """Workers did not finish in time. `unfinished_ranks` lists those still running."""
+
+    def __init__(self, message, unfinished_ranks, log_dir=None):
+        super().__init__(message, log_dir=log_dir)
+        self.unfinished_ranks = unfinished_ranks
+
+
+def launch(fn, world_size=2, backend="gloo", args=(), kwargs=None, timeout=120,
+           init=True, env=None, quiet=False):
+    """Run `fn(*args, **kwargs)` on `world_size` new processes; return a list of results by rank.
+
+    backend: "gloo" (CPU, always there), "nccl" (one CUDA GPU per rank), or
+             "auto" (NCCL when there are enough GPUs, else Gloo).
+    timeout: seconds until every worker is stopped and `WorkerTimeout` is raised.
+    init:    call `init_process_group` before `fn` and `destroy_process_group`
+             after it; with False, `fn` does it itself (e.g. to try `tcp://`).
+    env:     extra environment variables for the workers (e.g. {"NCCL_DEBUG": "INFO"}).
+    quiet:   do not print worker output in the cell (it still goes to the log).
+    """
+    world_size = check_world_size(world_size)
+    backend = resolve_backend(backend, world_size)
+    timeout = _check_timeout(timeout)
+    payload = pickle_job(fn, args, kwargs)
+    extra_env = _check_env(env)
+
+    run_dir = _new_run_dir()
+    with _Rendezvous() as store:
+        job = WorkerJob(
+            payload=payload, world_size=world_size, backend=backend, init=init,
+            pg_timeout_s=timeout, run_dir=run_dir,
+            env=worker_env(world_size, store.port, extra_env), launcher_pid=os.getpid(),
+            cell_sources=_notebook_cell_sources(),
+        )
+        return _run(job, timeout, quiet)
+
+
+# ---------------------------------------------------------------- input checks
+def check_world_size(world_size):
+    if isinstance(world_size, bool) or not isinstance(world_size, int):
+        raise TypeError(f"world_size must be an int, got {world_size!r} ({type(world_size).__name__})")
+    if not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise ValueError(f"world_size must be between 1 and {MAX_WORLD_SIZE} on one machine, got {world_size}")
+    return world_size
+
+
+def resolve_backend(backend, world_size):
+    """Check the backend name and, for "auto", pick NCCL only if every rank gets a GPU."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}: choose one of {', '.join(map(repr, BACKENDS))}")
+    gpus = machine.gpu_count()
+    if backend == "auto":
+        return "nccl" if gpus >= world_size and dist.is_nccl_available() else "gloo"
+    if backend == "nccl":
+        if not dist.is_nccl_available():
+            raise ValueError("backend='nccl' is not available in this torch build; use 'gloo'")
+        if gpus < world_size:
+            raise ValueError(f"backend='nccl' needs one CUDA GPU per rank: world_size={world_size} "
+                             f"but this machine has {gpus} GPU(s). Use backend='gloo' or 'auto'.")
+    return backend
+
+
+def pickle_job(fn, args, kwargs):
+    """cloudpickle fn and its arguments now, so a bad one fails before any process starts."""
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    if not isinstance(args, (tuple, list)):
+        raise TypeError(f"args must be a tuple, got {type(args).__name__}")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise TypeError(f"kwargs must be a dict or None, got {type(kwargs).__name__}")
+    for what, value in (("the function", fn), ("args", tuple(args)), ("kwargs", kwargs or {})):
+        try:
+            cloudpickle.dumps(value)
+        except Exception as exc:
+            raise TypeError(
+                f"cannot send {what} to the workers: {type(exc).__name__}: {exc}. Everything a "
+                "worker needs is pickled (with cloudpickle); open files, locks, sockets, "
+                "generators and live process groups cannot be. Create them inside the function."
+            ) from None
+    return cloudpickle.dumps((fn, tuple(args), kwargs or {}))
+
+
+def _check_timeout(timeout):
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    return float(timeout)
+
+
+def _check_env(env):
+    env = dict(env or {})
+    bad = {k: v for k, v in env.items() if not isinstance(k, str) or not isinstance(v, str)}
+    if bad:
+        raise TypeError(f"env keys and values must be strings, got {bad!r}")
+    return env
+
+
+# ------------------------------------------------------ environment and store
+def loopback_interface():
+    """Name of the loopback network interface ('lo' on Linux, 'lo0' on macOS)."""
+    names = [name for _, name in socket.if_nameindex()]
+    return next((n for n in ("lo", "lo0") if n in names), "lo")
+
+
+def worker_env(world_size, master_port, extra_env=None):
+    """The environment each worker gets: the kernel's own, plus what torchrun sets.
+
+    RANK, LOCAL_RANK, GROUP_RANK and ROLE_RANK differ per rank; the worker adds them.
+    """
+    env = dict(os.environ)
+    threads = max(1, machine.cpu_count() // world_size)
+    env.setdefault("OMP_NUM_THREADS", str(threads))  # torchrun would use 1; share the cores instead
+    lo = loopback_interface()
+    env.setdefault("GLOO_SOCKET_IFNAME", lo)   # Gloo and NCCL talk over loopback only
+    env.setdefault("NCCL_SOCKET_IFNAME", lo)
+    env.update({
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "ROLE_WORLD_SIZE": str(world_size),
+        "GROUP_WORLD_SIZE": "1",
+        "ROLE_NAME": "default",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(master_port),
+        # Like torchrun: workers connect to the store the launcher hosts instead of rank 0 creating one.
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+        "TORCHELASTIC_RUN_ID": "ddp_helpers",
+    })
+    env.update(extra_env or {})
+    return env
+
+
+class _Rendezvous:
+    """A TCPStore served by this process on 127.0.0.1, on a port the OS picks.
+
+    We bind the socket ourselves and hand it to the store: TCPStore alone would
+    listen on every interface, and asking for a free port first, then binding it
+    later, leaves a window in which another program can take it.
+    """
+
+    def __enter__(self):
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            self._sock.bind(("127.0.0.1", 0))
+            self._sock.listen(128)
+            self.port = self._sock.getsockname()[1]
+            self.store = dist.TCPStore("127.0.0.1", self.port, is_master=True, wait_for_workers=False,
+                                       master_listen_fd=self._sock.fileno(), timeout=timedelta(seconds=30))
+        except BaseException:
+            self._sock.close()
+            raise
+        self._sock.detach()  # the store owns the socket now and closes it when deleted
+        return self
+
+    def __exit__(self, *exc):
+        del self.store  # stops the server and closes its socket: the port is free again
+        return False
+
+
+def _notebook_cell_sources():
+    """Sources of notebook cells (files that exist only in linecache), so worker
+    tracebacks can show the lines of code a learner wrote in a cell."""
+    return {name: entry for name, entry in list(linecache.cache.items())
+            if len(entry) == 4 and not os.path.exists(name)}
+
+
+# ------------------------------------------------------------- run and watch
+def _forkserver():
+    ctx = multiprocessing.get_context("forkserver")
+    # Only takes effect when the forkserver first starts: it imports these once for all workers.
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "cloudpickle", "ddp_helpers.worker"])
+    return "forkserver"
+
+
+def _new_run_dir():
+    root = os.path.join(tempfile.gettempdir(), f"ddp_helpers-{os.getuid()}")
+    os.makedirs(root, exist_ok=True)
+    old = sorted((os.path.join(root, d) for d in os.listdir(root)), key=os.path.getmtime)
+    for stale in old[:-KEPT_RUN_DIRS]:
+        shutil.rmtree(stale, ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"run-{time.strftime('%H%M%S')}-{next(_run_counter)}-", dir=root)
+
+
+def _run(job, timeout, quiet):
+    n = job.world_size
+    output = _OutputPump(job.run_dir, n, quiet)
+    context = None
+    try:
+        context = torch.multiprocessing.start_processes(
+            run_worker, args=(job,), nprocs=n, join=False, start_method=_forkserver())
+        processes = context.processes
+        failed_first = _watch(processes, output, deadline=time.monotonic() + timeout)
+        if failed_first is None and any(p.exitcode is None for p in processes):
+            unfinished = [r for r, p in enumerate(processes) if p.exitcode is None]
+            _dump_stacks(processes, unfinished, output)
+            _stop(processes, output)
+            done = [r for r in range(n) if r not in unfinished]
+            raise WorkerTimeout(
+                f"timed out after {timeout:g} s: rank(s) {unfinished} had not finished "
+                f"(finished: {done or 'none'}). A rank waiting in a collective for a rank that "
+                f"never calls it waits forever; their stacks are printed above. Logs: {job.run_dir}",
+                unfinished_ranks=unfinished, log_dir=job.run_dir)
+        _stop(processes, output)  # the rest, after a failure
+        if failed_first is not None:
+            raise _failure_error(job.run_dir, processes, failed_first)
+        return [_read_result(job.run_dir, r) for r in range(n)]
+    finally:
+        if context is not None:
+            _stop(context.processes, output)  # KeyboardInterrupt lands here too
+        output.close()
+        _remove_scratch(job.run_dir, n)
+
+
+def _watch(processes, output, deadline):
+    """Pump output until all ranks exit, one fails (return its rank), or the deadline passes."""
+    while True:
+        running = [p for p in processes if p.exitcode is None]
+        for rank, p in enumerate(processes):
+            if p.exitcode not in (None, 0):
+                return rank
+        if not running:
+            return None
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
+        ready = multiprocessing.connection.wait(
+            output.fds() + [p.sentinel for p in running], timeout=min(left, 1.0))
+        output.read(ready)
+
+
+def _stop(processes, output):
+    """SIGTERM every live worker, SIGKILL what is left after STOP_GRACE_S, reap all."""
+    for p in processes:
+        if p.exitcode is None:
+            p.terminate()
+    deadline = time.monotonic() + STOP_GRACE_S
+    while any(p.exitcode is None for p in processes) and time.monotonic() < deadline:
+        live = [p.sentinel for p in processes if p.exitcode is None]
+        output.read(multiprocessing.connection.wait(output.fds() + live, timeout=0.05))
+    for p in processes:
+        if p.exitcode is None:
+            p.kill()
+        p.join()
+    output.read(output.fds())  # whatever the workers wrote last
+
+
+def _dump_stacks(processes, ranks, output, wait_s=0.5):
+    """Ask the stuck ranks where they are (faulthandler on SIGUSR1) and print it."""
+    for r in ranks:
+        try:
+            os.kill(processes[r].pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    end = time.monotonic() + wait_s
+    while time.monotonic() < end:
+        output.read(multiprocessing.connection.wait(output.fds(), timeout=0.05))
+
+
+def _failure_error(run_dir, processes, first):
+    failures = {r: _describe_exit(run_dir, r, p.exitcode) for r, p in enumerate(processes)
+                if p.exitcode not in (0, None)}
+    record = _read_error(run_dir, first)
+    others = sorted(r for r in failures if r != first)
+    tail = f"\n(other ranks then stopped: {others})" if others else ""
+    if record:
+        message = (f"rank {first} raised {record['type']}: {record['message']}\n\n"
+                   f"--- traceback from rank {first} ---\n{record['traceback']}"
+                   f"full logs: {run_dir}{tail}")
+        return WorkerError(message, rank=first, exc_type=record["type"], exc_message=record["message"],
+                           remote_traceback=record["traceback"], log_dir=run_dir, failures=failures)
+    return WorkerError(f"rank {first} {failures[first]}. Full logs: {run_dir}{tail}",
+                       rank=first, log_dir=run_dir, failures=failures)
+
+
+def _describe_exit(run_dir, rank, exitcode):
+    record = _read_error(run_dir, rank)
+    if record:
+        return f"raised {record['type']}: {record['message']}"
+    if exitcode < 0:
+        name = signal.Signals(-exitcode).name
+        hint = " (often the out-of-memory killer, or the launcher stopping it)" if name == "SIGKILL" else ""
+        return f"was killed by signal {name}{hint}"
+    return f"exited with code {exitcode} without a Python exception"
+
+
+def _read_error(run_dir, rank):
+    try:
+        with open(error_file(run_dir, rank), "rb") as f:
+            return pickle.load(f)
+    except FileNotFoundError:
+        return None
+
+
+def _read_result(run_dir, rank):
+    with open(result_file(run_dir, rank), "rb") as f:
+        return pickle.load(f)
+
+
+def _remove_scratch(run_dir, n):
+    """Remove pipes and result files; keep the logs."""
+    for r in range(n):
+        for path in (stdout_pipe(run_dir, r), stderr_pipe(run_dir, r),
+                     result_file(run_dir, r), error_file(run_dir, r)):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+
+class _OutputPump:
+    """Reads each rank's stdout/stderr pipe and prints whole lines as `[rank N] ...`.
+
+    Named pipes (FIFOs) in the run folder: the workers open them by name, so no
+    file descriptor has to travel through the forkserver. Partial lines wait
+    for their end, so lines of different ranks never mix.
+    """
+
+    def __init__(self, run_dir, world_size, quiet):
+        self.quiet = quiet
+        self.streams = {}   # fd -> (rank, destination name, partial line bytes)
+        self.logs = {}
+        for rank in range(world_size):
+            self.logs[rank] = open(os.path.join(run_dir, f"rank{rank}.log"), "ab")
+            for path, dest in ((stdout_pipe(run_dir, rank), "stdout"), (stderr_pipe(run_dir, rank), "stderr")):
+                os.mkfifo(path, 0o600)
+                fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+                self.streams[fd] = [rank, dest, b""]
+
+    def fds(self):
+        return list(self.streams)
+
+    def read(self, ready):
+        for fd in ready:
+            if fd not in self.streams:
+                continue
+            try:
+                data = os.read(fd, 65536)
+            except BlockingIOError:
+                continue
+            stream = self.streams[fd]
+            if not data:  # the worker closed its end (it exited)
+                if stream[2]:
+                    self._emit(stream[0], stream[1], stream[2])
+                os.close(fd)
+                del self.streams[fd]
+                continue
+            *lines, stream[2] = (stream[2] + data).split(b"\n")
+            for line in lines:
+                self._emit(stream[0], stream[1], line)
+
+    def _emit(self, rank, dest, line):
+        self.logs[rank].write(line + b"\n")
+        self.logs[rank].flush()
+        if not self.quiet:
+            out = sys.stdout if dest == "stdout" else sys.stderr
+            out.write(f"[rank {rank}] {line.decode('utf-8', 'replace')}\n")
+            out.flush()
+
+    def close(self):
+        for fd, (rank, dest, partial) in self.streams.items():
+            if partial:
+                self._emit(rank, dest, partial)
+            os.close(fd)
+        self.streams.clear()
+        for log in self.logs.values():
+            log.close()

@@ -1,0 +1,157 @@
+"""What runs inside each worker process that `launch` starts.
+
+`run_worker(local_rank, job)` is the target handed to
+`torch.multiprocessing.start_processes`. In order, it:
+
+1. sends this process's stdout and stderr (file descriptors 1 and 2, so C++
+   output from Gloo/NCCL too) into a pipe that the launcher reads line by line;
+2. sets the environment torchrun would set (RANK, WORLD_SIZE, MASTER_PORT, ...);
+3. starts a watchdog that ends this worker if the launching process dies;
+4. optionally calls `init_process_group`, runs the user's function, and
+   calls `destroy_process_group`;
+5. writes the return value, or the exception with its traceback, to a file in
+   the run folder for the launcher to read.
+"""
+import dataclasses
+import faulthandler
+import linecache
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+
+
+@dataclasses.dataclass
+class WorkerJob:
+    """Everything a worker needs; built by the launcher, pickled to each worker."""
+    payload: bytes            # cloudpickle of (fn, args, kwargs)
+    world_size: int
+    backend: str
+    init: bool                # call init/destroy_process_group around fn
+    pg_timeout_s: float       # process-group timeout for init and collectives
+    run_dir: str              # per-launch folder: pipes, results, logs
+    env: dict                 # full environment for the workers (kernel env + torchrun variables)
+    launcher_pid: int
+    cell_sources: dict        # {filename: lines} of notebook cells, for readable tracebacks
+
+
+def stdout_pipe(run_dir, rank):
+    return os.path.join(run_dir, f"rank{rank}.stdout")
+
+
+def stderr_pipe(run_dir, rank):
+    return os.path.join(run_dir, f"rank{rank}.stderr")
+
+
+def result_file(run_dir, rank):
+    return os.path.join(run_dir, f"rank{rank}.result")
+
+
+def error_file(run_dir, rank):
+    return os.path.join(run_dir, f"rank{rank}.error")
+
+
+def run_worker(local_rank, job):
+    rank = local_rank  # one machine: global rank == local rank
+    _redirect_output(stdout_pipe(job.run_dir, rank), stderr_pipe(job.run_dir, rank))
+    os.environ.clear()
+    os.environ.update(job.env)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(local_rank), GROUP_RANK="0", ROLE_RANK=str(rank))
+    _exit_when_orphaned(job.launcher_pid)
+    # `kill -USR1 <pid>` prints where every thread of this worker is: how a hang is found.
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    # torch was imported before the environment was set, so apply the thread count by hand.
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    linecache.cache.update(job.cell_sources)
+
+    try:
+        fn, args, kwargs = cloudpickle.loads(job.payload)
+        if job.init:
+            init_process_group(job.backend, local_rank, job.pg_timeout_s)
+        result = fn(*args, **kwargs)
+        if job.init and dist.is_initialized():
+            dist.destroy_process_group()
+        _write_atomically(result_file(job.run_dir, rank), cloudpickle.dumps(to_cpu(result)))
+    except BaseException as exc:  # KeyboardInterrupt and SystemExit too: the launcher must hear of them
+        _write_atomically(error_file(job.run_dir, rank), pickle.dumps(describe_exception(exc)))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        sys.exit(1)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+def init_process_group(backend, local_rank, timeout_s):
+    """What the launcher does before the user's function when `init=True`."""
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)  # before init, so NCCL binds this rank to its own GPU
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+
+
+def describe_exception(exc):
+    """A plain, always-picklable record of an exception and its traceback."""
+    return {
+        "type": type(exc).__qualname__,
+        "module": type(exc).__module__,
+        "message": str(exc),
+        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+    }
+
+
+def to_cpu(value):
+    """Move tensors in (nested) lists, tuples and dicts to the CPU, so that
+    reading results never initialises CUDA in the notebook kernel."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(to_cpu(v) for v in value)
+    if isinstance(value, dict):
+        return {k: to_cpu(v) for k, v in value.items()}
+    return value
+
+
+def _redirect_output(stdout_path, stderr_path):
+    """Point fds 1 and 2 at the launcher's pipes; line-buffer Python's streams."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for path, fd in ((stdout_path, 1), (stderr_path, 2)):
+        pipe_fd = os.open(path, os.O_WRONLY)
+        os.dup2(pipe_fd, fd)
+        os.close(pipe_fd)
+    sys.stdout = open(1, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
+    sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="replace", closefd=False)
+
+
+def _exit_when_orphaned(launcher_pid, period_s=0.5):
+    """End this worker if the launching process (the notebook kernel) goes away."""
+    parent_pid = os.getppid()
+
+    def watch():
+        while True:
+            time.sleep(period_s)
+            try:
+                os.kill(launcher_pid, 0)
+            except ProcessLookupError:
+                os._exit(1)
+            except PermissionError:
+                pass
+            if os.getppid() != parent_pid:  # the forkserver died with its kernel
+                os._exit(1)
+
+    threading.Thread(target=watch, name="ddp-helpers-watchdog", daemon=True).start()
+
+
+def _write_atomically(path, data):
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
