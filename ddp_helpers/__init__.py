@@ -3,7 +3,7 @@
     from ddp_helpers import launch
     %load_ext ddp_helpers      # in a notebook: the %%ddp cell magic
 """
-from .launch import WorkerError, WorkerTimeout, launch
+from .launcher import WorkerError, WorkerTimeout, launch
 
 __all__ = ["launch", "WorkerError", "WorkerTimeout", "load_ipython_extension"]
 

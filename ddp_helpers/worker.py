@@ -17,10 +17,10 @@ import faulthandler
 import linecache
 import os
 import pickle
+import select
 import signal
 import sys
 import threading
-import time
 import traceback
 from datetime import timedelta
 
@@ -132,22 +132,34 @@ def _redirect_output(stdout_path, stderr_path):
 
 
 def _exit_when_orphaned(launcher_pid, period_s=0.5):
-    """End this worker if the launching process (the notebook kernel) goes away."""
-    parent_pid = os.getppid()
+    """End this worker if the launching process (the notebook kernel) goes away.
+
+    Two signs, checked twice a second: the launcher's PID is gone (or a zombie),
+    or nobody reads our stdout pipe any more (only the launcher had it open).
+    """
+    poller = select.poll()
+    poller.register(1, select.POLLERR)
 
     def watch():
         while True:
-            time.sleep(period_s)
-            try:
-                os.kill(launcher_pid, 0)
-            except ProcessLookupError:
-                os._exit(1)
-            except PermissionError:
-                pass
-            if os.getppid() != parent_pid:  # the forkserver died with its kernel
+            if poller.poll(period_s * 1000) or not _process_alive(launcher_pid):
                 os._exit(1)
 
     threading.Thread(target=watch, name="ddp-helpers-watchdog", daemon=True).start()
+
+
+def _process_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a killed process stays a zombie until its parent reaps it
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
 
 
 def _write_atomically(path, data):

@@ -18,6 +18,7 @@ How it works, and why:
 - Errors, crashes, hangs and the Interrupt button all end every worker and
   raise in the calling cell (`WorkerError`, `WorkerTimeout`, `KeyboardInterrupt`).
 """
+import io
 import itertools
 import linecache
 import multiprocessing
@@ -30,6 +31,7 @@ import socket
 import sys
 import tempfile
 import time
+import types
 from datetime import timedelta
 
 import cloudpickle
@@ -59,6 +61,10 @@ class WorkerError(RuntimeError):
         self.remote_traceback = remote_traceback
         self.log_dir = log_dir
         self.failures = failures or {}
+
+    def _render_traceback_(self):
+        # IPython shows this instead of the launcher's own frames: the worker's traceback is what matters.
+        return [f"{type(self).__name__}: {line}" if i == 0 else line for i, line in enumerate(str(self).splitlines())]
 
 
 class WorkerTimeout(WorkerError, TimeoutError):
@@ -133,14 +139,32 @@ def pickle_job(fn, args, kwargs):
         raise TypeError(f"kwargs must be a dict or None, got {type(kwargs).__name__}")
     for what, value in (("the function", fn), ("args", tuple(args)), ("kwargs", kwargs or {})):
         try:
-            cloudpickle.dumps(value)
+            _dumps(value)
         except Exception as exc:
             raise TypeError(
                 f"cannot send {what} to the workers: {type(exc).__name__}: {exc}. Everything a "
                 "worker needs is pickled (with cloudpickle); open files, locks, sockets, "
                 "generators and live process groups cannot be. Create them inside the function."
             ) from None
-    return cloudpickle.dumps((fn, tuple(args), kwargs or {}))
+    return _dumps((fn, tuple(args), kwargs or {}))
+
+
+class _Pickler(cloudpickle.Pickler):
+    """cloudpickle, except that code keeps its file name (cloudpickle 3 writes
+    "<dynamic-code>"), so a worker's traceback can show the notebook line it points at."""
+
+    def reducer_override(self, obj):
+        reduce_code = getattr(cloudpickle.cloudpickle, "_code_reduce", None)
+        if isinstance(obj, types.CodeType) and reduce_code is not None:
+            constructor, fields = reduce_code(obj)
+            return constructor, tuple(obj.co_filename if f == "<dynamic-code>" else f for f in fields)
+        return super().reducer_override(obj)
+
+
+def _dumps(obj):
+    buffer = io.BytesIO()
+    _Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buffer.getvalue()
 
 
 def _check_timeout(timeout):

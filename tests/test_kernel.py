@@ -1,0 +1,105 @@
+"""launch and %%ddp inside a real Jupyter kernel: interrupt, kernel death, the cell magic."""
+import os
+import signal
+import sys
+import time
+
+import nbformat
+import pytest
+from jupyter_client import KernelManager
+from nbclient import NotebookClient
+
+from test_launch import pid_alive
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+SLEEPER = '''
+import os, time
+from ddp_helpers import launch
+def sleeper(folder):
+    with open(os.path.join(folder, "pid" + os.environ["RANK"]), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(600)
+'''
+
+
+def run_notebook(cells, timeout, **options):
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    NotebookClient(nb, timeout=timeout, kernel_name="python3", allow_errors=True,
+                   resources={"metadata": {"path": REPO}}, **options).execute()
+    return nb.cells
+
+
+def text_of(cell):
+    parts = []
+    for out in cell.outputs:
+        if out.output_type == "stream":
+            parts.append(out.text)
+        elif out.output_type == "execute_result":
+            parts.append(out.data["text/plain"])
+        elif out.output_type == "error":
+            parts.append(f"{out.ename}: {out.evalue}\n" + "\n".join(out.traceback))
+    return "".join(parts)
+
+
+def wait_until_dead(pids, seconds):
+    end = time.monotonic() + seconds
+    while time.monotonic() < end and any(pid_alive(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if pid_alive(p)]
+
+
+def test_interrupt_button_stops_every_worker(tmp_path):
+    cells = [
+        SLEEPER,
+        f"launch(sleeper, 2, args=({str(tmp_path)!r},), timeout=300)",   # interrupted by nbclient
+        f"import time; open({str(tmp_path / 'after')!r}, 'w').write(str(time.time()))\n"
+        "launch(lambda: 'fine', 2)",
+    ]
+    cells_out = run_notebook(cells, timeout=12, interrupt_on_timeout=True)
+    errors = [o for o in cells_out[1].outputs if o.output_type == "error"]
+    assert errors and errors[0].ename == "KeyboardInterrupt"
+    pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
+    assert wait_until_dead(pids, 1) == []
+    started = (tmp_path / "pid0").stat().st_mtime
+    ended = float((tmp_path / "after").read_text())
+    assert ended - started < 12 + 5, "interrupt took longer than 5 s to end the cell"
+    assert "['fine', 'fine']" in text_of(cells_out[2]), "the kernel works after an interrupt"
+
+
+def test_workers_exit_when_the_kernel_dies(tmp_path):
+    km = KernelManager(kernel_name="python3")
+    km.start_kernel(cwd=REPO)
+    try:
+        client = km.client()
+        client.start_channels()
+        client.wait_for_ready(timeout=60)
+        client.execute(SLEEPER + f"\nlaunch(sleeper, 2, args=({str(tmp_path)!r},), timeout=300)")
+        end = time.monotonic() + 30
+        while time.monotonic() < end and not (tmp_path / "pid1").exists():
+            time.sleep(0.1)
+        pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
+        os.kill(km.provisioner.process.pid, signal.SIGKILL)  # the kernel alone, not its process group
+        assert wait_until_dead(pids, 5) == [], "workers outlived their kernel"
+    finally:
+        client.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+def test_ddp_magic_runs_the_cell_on_every_rank():
+    cells = [
+        "%load_ext ddp_helpers",
+        "scale = 3",
+        "%%ddp -n 2\nt = torch.ones(2) * (rank + 1) * scale\ndist.all_reduce(t)\nprint('sum on', rank)\nt",
+        "%%ddp -n 2 -b gloo\nif rank == 1:\n    raise ValueError('boom on one rank')\nrank",
+        "%%ddp -n 2\nx = 1",
+    ]
+    out = run_notebook(cells, timeout=60)
+    text = text_of(out[2])
+    assert "[rank 0] sum on 0" in text and "[rank 1] sum on 1" in text
+    assert "[rank 0] tensor([9., 9.])\n[rank 1] tensor([9., 9.])" in text
+    error = [o for o in out[3].outputs if o.output_type == "error"][0]
+    assert error.ename == "WorkerError"
+    assert "rank 1 raised ValueError: boom on one rank" in text_of(out[3])
+    assert "raise ValueError('boom on one rank')" in text_of(out[3]), "the cell's own line in the traceback"
+    assert out[4].outputs == [], "no last expression, no output"

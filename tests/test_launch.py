@@ -1,0 +1,335 @@
+"""Every promise of ddp_helpers.launch, on CPU with Gloo."""
+import multiprocessing
+import os
+import re
+import signal
+import socket
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ddp_helpers import WorkerError, WorkerTimeout, launch
+from ddp_helpers import launcher as launch_module
+
+
+# ---- worker functions (module level: cloudpickle sends them by reference) ----
+def rank_sum():
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    return dist.get_rank(), dist.get_world_size(), t.item()
+
+
+def torchrun_env():
+    keys = ["RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "MY_FLAG"]
+    return {k: os.environ.get(k) for k in keys}
+
+
+def chatty(lines, width):
+    rank = dist.get_rank()
+    for i in range(lines):
+        print(f"r{rank} line {i:04d} " + "x" * width)
+    print(f"r{rank} to stderr", file=__import__("sys").stderr)
+
+
+def fail_on_rank_1_while_rank_0_waits():
+    if dist.get_rank() == 1:
+        raise ValueError("bad value on purpose")
+    dist.all_reduce(torch.ones(1))  # rank 1 never joins: only teardown ends this
+
+
+def die_by_signal(signum):
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signum)
+    dist.barrier()
+
+
+def exit_with_code():
+    if dist.get_rank() == 0:
+        os._exit(3)
+    dist.barrier()
+
+
+def sleep_on_rank_1():
+    if dist.get_rank() == 1:
+        time.sleep(600)
+    return "done"
+
+
+def write_pid_then(path, then):
+    with open(os.path.join(path, f"pid{os.environ['RANK']}"), "w") as f:
+        f.write(str(os.getpid()))
+    if then == "sleep":
+        time.sleep(600)
+
+
+def init_myself(method, port_file=None):
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if method == "env":
+        dist.init_process_group("gloo")
+    elif method == "tcp":
+        url = f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        dist.init_process_group("gloo", init_method=url, rank=rank, world_size=world)
+    else:
+        dist.init_process_group("gloo", init_method=f"file://{port_file}", rank=rank, world_size=world)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    return t.item()
+
+
+def pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie still answers kill(0); it has exited
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def listening_ports():
+    """Ports on which something on this machine listens (IPv4 and IPv6)."""
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for row in f.readlines()[1:]:
+                cols = row.split()
+                if cols[3] == "0A":  # LISTEN
+                    ports.add(int(cols[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def run_dirs():
+    root = os.path.join(__import__("tempfile").gettempdir(), f"ddp_helpers-{os.getuid()}")
+    return set(os.listdir(root)) if os.path.isdir(root) else set()
+
+
+# ---- results ----
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_results_come_back_by_rank(world_size):
+    results = launch(rank_sum, world_size=world_size)
+    total = world_size * (world_size + 1) / 2
+    assert results == [(r, world_size, total) for r in range(world_size)]
+
+
+def test_args_and_kwargs_reach_every_rank():
+    assert launch(lambda a, b=0: a * 10 + b + dist.get_rank(), 2, args=(4,), kwargs={"b": 2}) == [42, 43]
+
+
+def test_notebook_function_with_globals_travels_by_value():
+    # A function defined in __main__ (as in a notebook cell) is not importable by the
+    # workers: cloudpickle must send it, and the globals it uses, by value.
+    namespace = {"__name__": "__main__"}
+    exec("import torch.distributed as dist\nOFFSET = 100\n"
+         "def cell_fn():\n    return OFFSET + dist.get_rank()\n", namespace)
+    assert launch(namespace["cell_fn"], 2) == [100, 101]
+
+
+def test_tensors_come_back_on_the_cpu():
+    out = launch(lambda: {"t": torch.arange(3) * (dist.get_rank() + 1)}, 2)
+    assert torch.equal(out[1]["t"], torch.tensor([0, 2, 4]))
+
+
+def test_workers_get_torchrun_environment():
+    envs = launch(torchrun_env, 3, env={"MY_FLAG": "on"})
+    for rank, env in enumerate(envs):
+        assert env["RANK"] == env["LOCAL_RANK"] == str(rank)
+        assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "3"
+        assert env["MASTER_ADDR"] == "127.0.0.1"
+        assert env["MY_FLAG"] == "on"
+    ports = {env["MASTER_PORT"] for env in envs}
+    assert len(ports) == 1 and ports != {"29500"}
+
+
+def test_each_launch_gets_its_own_port():
+    ports = {launch(torchrun_env, 1)[0]["MASTER_PORT"] for _ in range(3)}
+    assert len(ports) == 3
+
+
+@pytest.mark.parametrize("method", ["env", "tcp", "file"])
+def test_init_false_lets_the_function_rendezvous_itself(method, tmp_path):
+    assert launch(init_myself, 2, init=False, args=(method, str(tmp_path / "rdzv"))) == [2.0, 2.0]
+
+
+# ---- output ----
+def test_output_is_prefixed_whole_lines_in_order(capfd):
+    launch(chatty, 3, args=(200, 300))
+    out, err = capfd.readouterr()
+    for rank in range(3):
+        mine = [line for line in out.splitlines() if line.startswith(f"[rank {rank}] ")]
+        assert len(mine) == 200
+        numbers = [int(re.match(rf"\[rank {rank}\] r{rank} line (\d+) x+$", line).group(1)) for line in mine]
+        assert numbers == list(range(200))  # whole lines (regex matched to the end), in order
+    assert all(line.startswith("[rank ") for line in out.splitlines())
+    for rank in range(3):
+        assert f"[rank {rank}] r{rank} to stderr" in err.splitlines()
+
+
+def test_quiet_keeps_output_out_of_the_cell_but_in_the_log(capfd):
+    with pytest.raises(WorkerError) as info:
+        launch(lambda: (print("kept in the log"), 1 / 0), 1, quiet=True)
+    out, _ = capfd.readouterr()
+    assert "kept in the log" not in out
+    with open(os.path.join(info.value.log_dir, "rank0.log")) as f:
+        assert "kept in the log" in f.read()
+
+
+# ---- errors ----
+def test_exception_names_rank_type_message_and_remote_traceback():
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        launch(fail_on_rank_1_while_rank_0_waits, 2, timeout=60)
+    took = time.monotonic() - start
+    err = info.value
+    assert err.rank == 1 and err.exc_type == "ValueError" and err.exc_message == "bad value on purpose"
+    assert "fail_on_rank_1_while_rank_0_waits" in err.remote_traceback
+    assert 'raise ValueError("bad value on purpose")' in err.remote_traceback  # source line shown
+    assert "rank 1 raised ValueError: bad value on purpose" in str(err)
+    assert took < 5, f"rank 0, stuck in all_reduce, should be torn down within 5 s (took {took:.1f})"
+
+
+def test_notebook_cell_source_appears_in_remote_traceback():
+    import linecache
+    fake_cell = "/nonexistent/ipykernel_0/cell42.py"
+    source = "def cell_fn():\n    x = 1\n    raise KeyError('from a cell')\n"
+    linecache.cache[fake_cell] = (len(source), None, source.splitlines(True), fake_cell)
+    namespace = {"__name__": "__main__"}
+    exec(compile(source, fake_cell, "exec"), namespace)
+    try:
+        with pytest.raises(WorkerError) as info:
+            launch(namespace["cell_fn"], 1)
+    finally:
+        del linecache.cache[fake_cell]
+    assert "raise KeyError('from a cell')" in info.value.remote_traceback
+
+
+@pytest.mark.parametrize("signum", [signal.SIGSEGV, signal.SIGKILL])
+def test_rank_killed_by_signal_is_reported(signum):
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as info:
+        launch(die_by_signal, 2, args=(signum,), timeout=60)
+    assert info.value.rank == 1
+    assert f"killed by signal {signum.name}" in str(info.value)
+    assert time.monotonic() - start < 5
+
+
+def test_exit_code_without_exception_is_reported():
+    with pytest.raises(WorkerError, match="rank 0 exited with code 3"):
+        launch(exit_with_code, 2, timeout=60)
+
+
+def test_timeout_names_the_stuck_ranks_and_shows_their_stack(capfd):
+    start = time.monotonic()
+    with pytest.raises(WorkerTimeout) as info:
+        launch(sleep_on_rank_1, 2, timeout=3)
+    assert info.value.unfinished_ranks == [1]
+    assert "rank(s) [1] had not finished" in str(info.value)
+    assert isinstance(info.value, TimeoutError)
+    assert time.monotonic() - start < 3 + 5
+    _, err = capfd.readouterr()
+    assert re.search(r"\[rank 1\] .*sleep_on_rank_1", err), "faulthandler stack of the stuck rank"
+
+
+def test_rank_stuck_in_collective_times_out():
+    def only_rank_0_reduces():
+        if dist.get_rank() == 0:
+            dist.all_reduce(torch.ones(1))
+        else:
+            time.sleep(600)
+    with pytest.raises(WorkerTimeout) as info:
+        launch(only_rank_0_reduces, 2, timeout=2)
+    assert info.value.unfinished_ranks == [0, 1]
+
+
+# ---- bad input: a clear error, and no process started ----
+@pytest.mark.parametrize("kwargs, error, text", [
+    (dict(world_size=0), ValueError, "world_size must be between 1 and"),
+    (dict(world_size=-2), ValueError, "world_size must be between 1 and"),
+    (dict(world_size=2.0), TypeError, "world_size must be an int"),
+    (dict(world_size="2"), TypeError, "world_size must be an int"),
+    (dict(world_size=True), TypeError, "world_size must be an int"),
+    (dict(world_size=1000), ValueError, "world_size must be between 1 and"),
+    (dict(backend="mpich"), ValueError, "unknown backend 'mpich'"),
+    (dict(timeout=0), ValueError, "timeout must be a positive number"),
+    (dict(timeout="10"), ValueError, "timeout must be a positive number"),
+    (dict(args=(threading.Lock(),)), TypeError, "cannot send args to the workers"),
+    (dict(kwargs={"g": (i for i in range(3))}), TypeError, "cannot send kwargs to the workers"),
+    (dict(args=5), TypeError, "args must be a tuple"),
+    (dict(env={"X": 1}), TypeError, "env keys and values must be strings"),
+])
+def test_bad_input_is_rejected_before_any_process_starts(kwargs, error, text):
+    before_dirs, before_children = run_dirs(), multiprocessing.active_children()
+    with pytest.raises(error, match=re.escape(text)):
+        launch(**{"fn": rank_sum, **kwargs})
+    assert run_dirs() == before_dirs
+    assert multiprocessing.active_children() == before_children
+
+
+def test_unpicklable_function_is_rejected_before_any_process_starts():
+    lock = threading.Lock()
+    before = run_dirs()
+    with pytest.raises(TypeError, match="cannot send the function to the workers"):
+        launch(lambda: lock.locked(), 2)
+    with pytest.raises(TypeError, match="fn must be callable"):
+        launch("rank_sum", 2)
+    assert run_dirs() == before
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine has the GPUs")
+def test_nccl_without_enough_gpus_is_rejected():
+    with pytest.raises(ValueError, match="backend='nccl' needs one CUDA GPU per rank"):
+        launch(rank_sum, 2, backend="nccl")
+
+
+def test_auto_backend_picks_gloo_without_gpus():
+    expected = "nccl" if torch.cuda.device_count() >= 2 and dist.is_nccl_available() else "gloo"
+    assert launch_module.resolve_backend("auto", 2) == expected
+
+
+# ---- nothing left behind ----
+def test_fifty_launches_back_to_back_leave_no_port_or_process():
+    ports_before = listening_ports()
+    ports = set()
+    for _ in range(50):
+        env = launch(torchrun_env, 2)
+        ports.add(int(env[0]["MASTER_PORT"]))
+    assert not (listening_ports() - ports_before), "a rendezvous port is still open"
+    assert multiprocessing.active_children() == []
+    assert len(ports) > 1
+
+
+def test_store_listens_on_loopback_only():
+    listeners = {}
+    with launch_module._Rendezvous() as rdzv:
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            with open(table) as f:
+                for row in f.readlines()[1:]:
+                    cols = row.split()
+                    local_ip, local_port = cols[1].rsplit(":", 1)
+                    if cols[3] == "0A" and int(local_port, 16) == rdzv.port:
+                        listeners[table] = local_ip
+    assert listeners == {"/proc/net/tcp": "0100007F"}  # 127.0.0.1 only, no IPv6 "::" listener
+    assert rdzv.port not in listening_ports()  # and closed afterwards
+
+
+def test_failed_launch_leaves_no_worker(tmp_path):
+    with pytest.raises(WorkerTimeout):
+        launch(write_pid_then, 2, args=(str(tmp_path), "sleep"), timeout=2)
+    pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
+    assert not any(pid_alive(p) for p in pids)
+
+
+def test_keyboard_interrupt_in_the_launcher_stops_every_worker(tmp_path):
+    # Delivers SIGINT to this process while launch() waits, as Jupyter's Interrupt does.
+    timer = threading.Timer(3.0, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        launch(write_pid_then, 2, args=(str(tmp_path), "sleep"), timeout=60)
+    assert time.monotonic() - start < 3 + 5
+    pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
+    assert not any(pid_alive(p) for p in pids)
+    assert multiprocessing.active_children() == []
