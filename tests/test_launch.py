@@ -333,3 +333,17 @@ def test_keyboard_interrupt_in_the_launcher_stops_every_worker(tmp_path):
     pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
     assert not any(pid_alive(p) for p in pids)
     assert multiprocessing.active_children() == []
+
+
+# ---- GPUs (run on a machine with at least 2; skipped elsewhere) ----
+def nccl_sum():
+    t = torch.ones(1, device="cuda") * (dist.get_rank() + 1)
+    dist.all_reduce(t)
+    return t.item(), torch.cuda.current_device(), dist.get_backend()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_nccl_on_gpus_one_device_per_rank_without_cuda_in_the_launcher():
+    assert launch(nccl_sum, 2, backend="nccl") == [(3.0, 0, "nccl"), (3.0, 1, "nccl")]
+    assert launch(nccl_sum, 2, backend="auto")[1] == (3.0, 1, "nccl")
+    assert not torch.cuda.is_initialized(), "the launcher must not initialise CUDA in the kernel"
