@@ -89,17 +89,17 @@ def launch(fn, world_size=2, backend="gloo", args=(), kwargs=None, timeout=120,
     """
     world_size = check_world_size(world_size)
     backend = resolve_backend(backend, world_size)
-    timeout = _check_timeout(timeout)
+    timeout = check_timeout(timeout)
     payload = pickle_job(fn, args, kwargs)
-    extra_env = _check_env(env)
+    extra_env = check_env(env)
 
-    run_dir = _new_run_dir()
-    with _Rendezvous() as store:
+    run_dir = new_run_dir()
+    with Rendezvous() as store:
         job = WorkerJob(
             payload=payload, world_size=world_size, backend=backend, init=init,
             pg_timeout_s=timeout, run_dir=run_dir,
             env=worker_env(world_size, store.port, extra_env), launcher_pid=os.getpid(),
-            cell_sources=_notebook_cell_sources(),
+            cell_sources=notebook_cell_sources(),
         )
         return _run(job, timeout, quiet)
 
@@ -139,14 +139,14 @@ def pickle_job(fn, args, kwargs):
         raise TypeError(f"kwargs must be a dict or None, got {type(kwargs).__name__}")
     for what, value in (("the function", fn), ("args", tuple(args)), ("kwargs", kwargs or {})):
         try:
-            _dumps(value)
+            dumps(value)
         except Exception as exc:
             raise TypeError(
                 f"cannot send {what} to the workers: {type(exc).__name__}: {exc}. Everything a "
                 "worker needs is pickled (with cloudpickle); open files, locks, sockets, "
                 "generators and live process groups cannot be. Create them inside the function."
             ) from None
-    return _dumps((fn, tuple(args), kwargs or {}))
+    return dumps((fn, tuple(args), kwargs or {}))
 
 
 class _Pickler(cloudpickle.Pickler):
@@ -161,19 +161,19 @@ class _Pickler(cloudpickle.Pickler):
         return super().reducer_override(obj)
 
 
-def _dumps(obj):
+def dumps(obj):
     buffer = io.BytesIO()
     _Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
     return buffer.getvalue()
 
 
-def _check_timeout(timeout):
+def check_timeout(timeout):
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     return float(timeout)
 
 
-def _check_env(env):
+def check_env(env):
     env = dict(env or {})
     bad = {k: v for k, v in env.items() if not isinstance(k, str) or not isinstance(v, str)}
     if bad:
@@ -217,7 +217,7 @@ def worker_env(world_size, master_port, extra_env=None):
     return env
 
 
-class _Rendezvous:
+class Rendezvous:
     """A TCPStore served by this process on 127.0.0.1, on a port the OS picks.
 
     We bind the socket ourselves and hand it to the store: TCPStore alone would
@@ -244,7 +244,7 @@ class _Rendezvous:
         return False
 
 
-def _notebook_cell_sources():
+def notebook_cell_sources():
     """Sources of notebook cells (files that exist only in linecache), so worker
     tracebacks can show the lines of code a learner wrote in a cell."""
     return {name: entry for name, entry in list(linecache.cache.items())
@@ -252,14 +252,15 @@ def _notebook_cell_sources():
 
 
 # ------------------------------------------------------------- run and watch
-def _forkserver():
+def forkserver():
     ctx = multiprocessing.get_context("forkserver")
     # Only takes effect when the forkserver first starts: it imports these once for all workers.
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "cloudpickle", "ddp_helpers.worker"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "cloudpickle", "ddp_helpers.worker",
+                                "ddp_helpers.pool"])
     return "forkserver"
 
 
-def _new_run_dir():
+def new_run_dir():
     root = os.path.join(tempfile.gettempdir(), f"ddp_helpers-{os.getuid()}")
     os.makedirs(root, exist_ok=True)
     old = sorted((os.path.join(root, d) for d in os.listdir(root)), key=os.path.getmtime)
@@ -270,32 +271,32 @@ def _new_run_dir():
 
 def _run(job, timeout, quiet):
     n = job.world_size
-    output = _OutputPump(job.run_dir, n, quiet)
+    output = OutputPump(job.run_dir, n, quiet)
     context = None
     try:
         context = torch.multiprocessing.start_processes(
-            run_worker, args=(job,), nprocs=n, join=False, start_method=_forkserver())
+            run_worker, args=(job,), nprocs=n, join=False, start_method=forkserver())
         processes = context.processes
         failed_first = _watch(processes, output, deadline=time.monotonic() + timeout)
         if failed_first is None and any(p.exitcode is None for p in processes):
             unfinished = [r for r, p in enumerate(processes) if p.exitcode is None]
-            _dump_stacks(processes, unfinished, output)
-            _stop(processes, output)
+            dump_stacks(processes, unfinished, output)
+            stop_processes(processes, output)
             done = [r for r in range(n) if r not in unfinished]
             raise WorkerTimeout(
                 f"timed out after {timeout:g} s: rank(s) {unfinished} had not finished "
                 f"(finished: {done or 'none'}). A rank waiting in a collective for a rank that "
                 f"never calls it waits forever; their stacks are printed above. Logs: {job.run_dir}",
                 unfinished_ranks=unfinished, log_dir=job.run_dir)
-        _stop(processes, output)  # the rest, after a failure
+        stop_processes(processes, output)  # the rest, after a failure
         if failed_first is not None:
             raise _failure_error(job.run_dir, processes, failed_first)
         return [_read_result(job.run_dir, r) for r in range(n)]
     finally:
         if context is not None:
-            _stop(context.processes, output)  # KeyboardInterrupt lands here too
+            stop_processes(context.processes, output)  # KeyboardInterrupt lands here too
         output.close()
-        _remove_scratch(job.run_dir, n)
+        remove_scratch(job.run_dir, n)
 
 
 def _watch(processes, output, deadline):
@@ -315,7 +316,7 @@ def _watch(processes, output, deadline):
         output.read(ready)
 
 
-def _stop(processes, output):
+def stop_processes(processes, output):
     """SIGTERM every live worker, SIGKILL what is left after STOP_GRACE_S, reap all."""
     for p in processes:
         if p.exitcode is None:
@@ -331,7 +332,7 @@ def _stop(processes, output):
     output.read(output.fds())  # whatever the workers wrote last
 
 
-def _dump_stacks(processes, ranks, output, wait_s=0.5):
+def dump_stacks(processes, ranks, output, wait_s=0.5):
     """Ask the stuck ranks where they are (faulthandler on SIGUSR1) and print it."""
     for r in ranks:
         try:
@@ -346,28 +347,40 @@ def _dump_stacks(processes, ranks, output, wait_s=0.5):
 def _failure_error(run_dir, processes, first):
     failures = {r: _describe_exit(run_dir, r, p.exitcode) for r, p in enumerate(processes)
                 if p.exitcode not in (0, None)}
-    record = _read_error(run_dir, first)
     others = sorted(r for r in failures if r != first)
-    tail = f"\n(other ranks then stopped: {others})" if others else ""
+    note = f"other ranks then stopped: {others}" if others else ""
+    record = _read_error(run_dir, first)
     if record:
-        message = (f"rank {first} raised {record['type']}: {record['message']}\n\n"
-                   f"--- traceback from rank {first} ---\n{record['traceback']}"
-                   f"full logs: {run_dir}{tail}")
-        return WorkerError(message, rank=first, exc_type=record["type"], exc_message=record["message"],
-                           remote_traceback=record["traceback"], log_dir=run_dir, failures=failures)
+        return error_from_record(first, record, run_dir, note, failures)
+    tail = f"\n({note})" if note else ""
     return WorkerError(f"rank {first} {failures[first]}. Full logs: {run_dir}{tail}",
                        rank=first, log_dir=run_dir, failures=failures)
+
+
+def error_from_record(rank, record, run_dir, note="", failures=None):
+    """WorkerError for a rank that raised, from the record `describe_exception` made there."""
+    tail = f"\n({note})" if note else ""
+    message = (f"rank {rank} raised {record['type']}: {record['message']}\n\n"
+               f"--- traceback from rank {rank} ---\n{record['traceback']}"
+               f"full logs: {run_dir}{tail}")
+    return WorkerError(message, rank=rank, exc_type=record["type"], exc_message=record["message"],
+                       remote_traceback=record["traceback"], log_dir=run_dir, failures=failures)
+
+
+def describe_exit(exitcode):
+    """'was killed by signal SIGSEGV', 'exited with code 3 ...' for a worker's exit code."""
+    if exitcode < 0:
+        name = signal.Signals(-exitcode).name
+        hint = " (often the out-of-memory killer, or the launcher stopping it)" if name == "SIGKILL" else ""
+        return f"was killed by signal {name}{hint}"
+    return f"exited with code {exitcode} without a Python exception"
 
 
 def _describe_exit(run_dir, rank, exitcode):
     record = _read_error(run_dir, rank)
     if record:
         return f"raised {record['type']}: {record['message']}"
-    if exitcode < 0:
-        name = signal.Signals(-exitcode).name
-        hint = " (often the out-of-memory killer, or the launcher stopping it)" if name == "SIGKILL" else ""
-        return f"was killed by signal {name}{hint}"
-    return f"exited with code {exitcode} without a Python exception"
+    return describe_exit(exitcode)
 
 
 def _read_error(run_dir, rank):
@@ -383,7 +396,7 @@ def _read_result(run_dir, rank):
         return pickle.load(f)
 
 
-def _remove_scratch(run_dir, n):
+def remove_scratch(run_dir, n):
     """Remove pipes and result files; keep the logs."""
     for r in range(n):
         for path in (stdout_pipe(run_dir, r), stderr_pipe(run_dir, r),
@@ -394,7 +407,7 @@ def _remove_scratch(run_dir, n):
                 pass
 
 
-class _OutputPump:
+class OutputPump:
     """Reads each rank's stdout/stderr pipe and prints whole lines as `[rank N] ...`.
 
     Named pipes (FIFOs) in the run folder: the workers open them by name, so no
@@ -417,6 +430,8 @@ class _OutputPump:
         return list(self.streams)
 
     def read(self, ready):
+        """Read what is waiting on the given fds; return the number of bytes read."""
+        total = 0
         for fd in ready:
             if fd not in self.streams:
                 continue
@@ -424,6 +439,7 @@ class _OutputPump:
                 data = os.read(fd, 65536)
             except BlockingIOError:
                 continue
+            total += len(data)
             stream = self.streams[fd]
             if not data:  # the worker closed its end (it exited)
                 if stream[2]:
@@ -434,6 +450,12 @@ class _OutputPump:
             *lines, stream[2] = (stream[2] + data).split(b"\n")
             for line in lines:
                 self._emit(stream[0], stream[1], line)
+        return total
+
+    def drain(self):
+        """Print everything the workers have written so far."""
+        while self.read(self.fds()):
+            pass
 
     def _emit(self, rank, dest, line):
         self.logs[rank].write(line + b"\n")

@@ -7,115 +7,105 @@
     dist.all_reduce(t)
     t                      # each rank's value of the last expression is shown
 
-Each rank runs the cell in its own namespace, which starts with `torch`,
-`dist` (torch.distributed), `rank` and `world_size`, plus copies of the
-notebook's variables that the cell uses (sent with cloudpickle). The process
-group is already initialised.
-"""
-import ast
-import builtins
-import linecache
-import types
+Each rank's namespace starts with `torch`, `dist` (torch.distributed), `rank`
+and `world_size`, plus copies of the notebook's variables that the cell uses
+(sent with cloudpickle). The process group is already initialised.
 
-import cloudpickle
-from IPython.core import magic_arguments
+Without a pool, every `%%ddp` cell starts fresh ranks (`launch`), which forget
+everything when the cell ends. With a warm pool the ranks stay up and keep
+their variables from cell to cell:
+
+    %ddp start -n 4 -b gloo     # start the pool
+    %ddp status                 # PID, state and memory of each rank
+    %ddp push lr model          # copy notebook variables to every rank
+    %ddp pull loss              # each rank's value of a variable
+    %ddp stop                   # end the ranks
+"""
+import argparse
+import shlex
+
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 
+from .cells import PerRank, globals_to_send
 from .launcher import launch
-
-# Names the notebook kernel defines for itself; never sent to the workers.
-_KERNEL_NAMES = {"In", "Out", "get_ipython", "exit", "quit"}
-# Names every rank's namespace starts with; the notebook's own never replace them.
-_RANK_NAMES = {"torch", "dist", "rank", "world_size"}
+from .pool import Pool
+from .worker import run_cell
 
 
-class PerRank(list):
-    """One value per rank, shown as `[rank N] value` lines."""
-
-    def __repr__(self):
-        return "\n".join(f"[rank {r}] {_indent(repr(v))}" for r, v in enumerate(self))
-
-    def _repr_pretty_(self, printer, cycle):
-        printer.text(repr(self))
-
-
-def _indent(text):
-    return text.replace("\n", "\n" + " " * 9)
+def _parser(prog, with_timeout):
+    parser = argparse.ArgumentParser(prog=prog, add_help=False, exit_on_error=False)
+    parser.add_argument("-n", "--nprocs", type=int, default=None, help="number of ranks (default 2)")
+    parser.add_argument("-b", "--backend", default=None, help="gloo, nccl or auto (default gloo)")
+    if with_timeout:
+        parser.add_argument("-t", "--timeout", type=float, default=120, help="seconds before the ranks are stopped")
+    return parser
 
 
-def run_cell(source, sent_globals, filename):
-    """Runs on each rank: execute `source`, return the value of its last expression."""
-    import torch
-    import torch.distributed as dist
-
-    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    namespace = {"__name__": "__ddp__", "torch": torch, "dist": dist,
-                 "rank": dist.get_rank() if dist.is_initialized() else 0,
-                 "world_size": dist.get_world_size() if dist.is_initialized() else 1}
-    namespace.update(sent_globals)
-    return exec_cell(source, namespace, filename)
-
-
-def exec_cell(source, namespace, filename):
-    """Execute a cell like IPython does: the last bare expression is evaluated and returned."""
-    tree = ast.parse(source, filename)
-    last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
-    exec(compile(tree, filename, "exec"), namespace)
-    if last is None:
-        return None
-    return eval(compile(ast.Expression(last.value), filename, "eval"), namespace)
-
-
-def names_used(source):
-    """Every global name the cell's code (and code nested in it) may read."""
+def _parse(parser, line):
     try:
-        code = compile(source, "<cell>", "exec")
-    except SyntaxError:
-        return set()
-    names, todo = set(), [code]
-    while todo:
-        c = todo.pop()
-        names.update(c.co_names)
-        todo.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
-    return names
-
-
-def globals_to_send(source, user_ns, warn=print):
-    """The notebook variables the cell uses that can travel (cloudpickle) to the workers."""
-    sent = {}
-    for name in sorted(names_used(source)):
-        if name in _KERNEL_NAMES | _RANK_NAMES or name.startswith("_") or name not in user_ns or hasattr(builtins, name):
-            continue
-        value = user_ns[name]
-        try:
-            cloudpickle.dumps(value)
-        except Exception as exc:
-            warn(f"%%ddp: not sending {name!r} to the workers (cannot be pickled: {type(exc).__name__})")
-            continue
-        sent[name] = value
-    return sent
+        return parser.parse_args(shlex.split(line))
+    except (argparse.ArgumentError, SystemExit) as err:
+        raise ValueError(f"{parser.prog}: cannot read options {line!r}: {err}") from None
 
 
 @magics_class
 class DDPMagics(Magics):
+    pool = None
     _cells_run = 0
 
-    @magic_arguments.magic_arguments()
-    @magic_arguments.argument("-n", "--nprocs", type=int, default=2, help="number of ranks (default 2)")
-    @magic_arguments.argument("-b", "--backend", default="gloo", help="gloo, nccl or auto (default gloo)")
-    @magic_arguments.argument("-t", "--timeout", type=float, default=120, help="seconds before the ranks are stopped")
     @line_cell_magic
     def ddp(self, line, cell=None):
-        """%%ddp -n 4 -b gloo: run this cell on every rank of a new process group."""
+        """%%ddp [-n N] [-b BACKEND] [-t SECONDS]: run this cell on every rank.
+        %ddp start|stop|status|push NAMES|pull NAME: manage a warm pool of ranks."""
         if cell is None:
-            raise ValueError("use %%ddp as a cell magic: `%%ddp -n 4` on the first line, the code below it")
-        opts = magic_arguments.parse_argstring(self.ddp, line)
+            return self._line(line)
+        opts = _parse(_parser("%%ddp", with_timeout=True), line)
         DDPMagics._cells_run += 1
         filename = f"<ddp-cell-{DDPMagics._cells_run}>"
+        pool = DDPMagics.pool
+        if pool is not None:
+            if opts.nprocs not in (None, pool.world_size) or opts.backend not in (None, pool.backend):
+                raise ValueError(f"a pool of {pool.world_size} {pool.backend} ranks is running: "
+                                 "drop -n/-b, or `%ddp stop` it first")
+            return pool.run_cell(cell, self.shell.user_ns, filename, timeout=opts.timeout)
         sent = globals_to_send(cell, self.shell.user_ns)
-        values = launch(run_cell, world_size=opts.nprocs, backend=opts.backend,
+        values = launch(run_cell, world_size=opts.nprocs or 2, backend=opts.backend or "gloo",
                         args=(cell, sent, filename), timeout=opts.timeout)
         return None if all(v is None for v in values) else PerRank(values)
+
+    def _line(self, line):
+        command, _, rest = line.strip().partition(" ")
+        if command == "start":
+            opts = _parse(_parser("%ddp start", with_timeout=False), rest)
+            if DDPMagics.pool is not None:
+                DDPMagics.pool.stop()
+            DDPMagics.pool = Pool(world_size=opts.nprocs or 2, backend=opts.backend or "gloo")
+            print(f"ddp pool: {DDPMagics.pool.world_size} ranks ready ({DDPMagics.pool.backend}). "
+                  "%%ddp cells now run on them; `%ddp stop` ends them.")
+            return None
+        pool = DDPMagics.pool
+        if command not in ("stop", "status", "push", "pull"):
+            raise ValueError(f"unknown %ddp command {command!r}: use start, stop, status, push or pull "
+                             "(and %%ddp, with two %, to run a cell)")
+        if pool is None:
+            raise RuntimeError("no pool is running: `%ddp start -n 4` starts one")
+        if command == "stop":
+            pool.stop()
+            DDPMagics.pool = None
+            print("ddp pool: stopped.")
+        elif command == "status":
+            for row in pool.status():
+                memory = f"{row['memory_mib']:.0f} MiB" if row["memory_mib"] else "-"
+                print(f"rank {row['rank']}: pid {row['pid']}, {row['state']}, {memory}")
+        elif command == "push":
+            names = rest.split()
+            missing = [n for n in names if n not in self.shell.user_ns]
+            if not names or missing:
+                raise NameError(f"%ddp push NAME [NAME ...]: not defined in the notebook: {missing or 'no names given'}")
+            pool.push(**{n: self.shell.user_ns[n] for n in names})
+        else:
+            return pool.pull(rest.strip())
+        return None
 
 
 def register(ipython):

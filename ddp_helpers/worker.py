@@ -12,6 +12,7 @@
 5. writes the return value, or the exception with its traceback, to a file in
    the run folder for the launcher to read.
 """
+import ast
 import dataclasses
 import faulthandler
 import linecache
@@ -60,18 +61,8 @@ def error_file(run_dir, rank):
 
 
 def run_worker(local_rank, job):
-    rank = local_rank  # one machine: global rank == local rank
-    _redirect_output(stdout_pipe(job.run_dir, rank), stderr_pipe(job.run_dir, rank))
-    os.environ.clear()
-    os.environ.update(job.env)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(local_rank), GROUP_RANK="0", ROLE_RANK=str(rank))
-    _exit_when_orphaned(job.launcher_pid)
-    # `kill -USR1 <pid>` prints where every thread of this worker is: how a hang is found.
-    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
-    # torch was imported before the environment was set, so apply the thread count by hand.
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    linecache.cache.update(job.cell_sources)
-
+    """Target of `torch.multiprocessing.start_processes` for `launch`: one call of the job's function."""
+    rank = setup_worker_process(local_rank, job)
     try:
         fn, args, kwargs = cloudpickle.loads(job.payload)
         if job.init:
@@ -90,6 +81,48 @@ def run_worker(local_rank, job):
         sys.stderr.flush()
 
 
+def setup_worker_process(local_rank, job):
+    """Steps 1-3 above, for `launch` and for the warm `Pool` alike. Returns the rank."""
+    rank = local_rank  # one machine: global rank == local rank
+    _redirect_output(stdout_pipe(job.run_dir, rank), stderr_pipe(job.run_dir, rank))
+    os.environ.clear()
+    os.environ.update(job.env)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(local_rank), GROUP_RANK="0", ROLE_RANK=str(rank))
+    _exit_when_orphaned(job.launcher_pid)
+    # `kill -USR1 <pid>` prints where every thread of this worker is: how a hang is found.
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    # torch was imported before the environment was set, so apply the thread count by hand.
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    linecache.cache.update(job.cell_sources)
+    return rank
+
+
+def rank_namespace():
+    """What a `%%ddp` cell's namespace starts with on every rank."""
+    initialised = dist.is_initialized()
+    return {"__name__": "__ddp__", "torch": torch, "dist": dist,
+            "rank": dist.get_rank() if initialised else 0,
+            "world_size": dist.get_world_size() if initialised else 1}
+
+
+def exec_cell(source, namespace, filename):
+    """Execute a cell like IPython does: the last bare expression is evaluated and returned."""
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    tree = ast.parse(source, filename)
+    last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+    exec(compile(tree, filename, "exec"), namespace)
+    if last is None:
+        return None
+    return eval(compile(ast.Expression(last.value), filename, "eval"), namespace)
+
+
+def run_cell(source, sent_globals, filename):
+    """`%%ddp` without a pool: run the cell once, in a fresh namespace, on this rank."""
+    namespace = rank_namespace()
+    namespace.update(sent_globals)
+    return exec_cell(source, namespace, filename)
+
+
 def init_process_group(backend, local_rank, timeout_s):
     """What the launcher does before the user's function when `init=True`."""
     if backend == "nccl":
@@ -103,8 +136,19 @@ def describe_exception(exc):
         "type": type(exc).__qualname__,
         "module": type(exc).__module__,
         "message": str(exc),
-        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        "traceback": "".join(traceback.format_exception(type(exc), exc, _user_frames(exc.__traceback__))),
     }
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _user_frames(tb):
+    """Skip the frames of ddp_helpers' own plumbing at the top of a traceback."""
+    first = tb
+    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        tb = tb.tb_next
+    return tb or first
 
 
 def to_cpu(value):

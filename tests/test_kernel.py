@@ -103,3 +103,59 @@ def test_ddp_magic_runs_the_cell_on_every_rank():
     assert "rank 1 raised ValueError: boom on one rank" in text_of(out[3])
     assert "raise ValueError('boom on one rank')" in text_of(out[3]), "the cell's own line in the traceback"
     assert out[4].outputs == [], "no last expression, no output"
+
+
+def test_warm_pool_magics_in_a_kernel(tmp_path):
+    pid_file = tmp_path / "pids"
+    cells = [
+        "%load_ext ddp_helpers",
+        "%ddp start -n 2",
+        "%%ddp\nx = torch.ones(1) * (rank + 1)",
+        "%%ddp\ndist.all_reduce(x)\nx",                      # x survived the previous cell
+        "lr = 0.25\n%ddp push lr",
+        "%ddp pull lr",
+        "%ddp status",
+        "import time\ntime.sleep(60)",                       # an unrelated cell, interrupted
+        "%%ddp\nx",                                          # idle ranks ignored that interrupt
+        "from ddp_helpers.magic import DDPMagics\n"
+        f"open({str(pid_file)!r}, 'w').write(' '.join(str(r['pid']) for r in DDPMagics.pool.status()))",
+        "%%ddp\nimport time\ntime.sleep(60)",                # a pool cell, interrupted
+        "%%ddp\nx",                                          # fresh ranks: x is gone
+        "%%ddp -n 3\nrank",
+        "%ddp stop",
+        "%ddp bogus",
+    ]
+    out = run_notebook(cells, timeout=5, interrupt_on_timeout=True)
+    assert "2 ranks ready (gloo)" in text_of(out[1])
+    assert "[rank 0] tensor([3.])\n[rank 1] tensor([3.])" in text_of(out[3])
+    assert "[rank 0] 0.25\n[rank 1] 0.25" in text_of(out[5])
+    assert "rank 1: pid" in text_of(out[6]) and "idle" in text_of(out[6])
+    assert [o.ename for o in out[7].outputs if o.output_type == "error"] == ["KeyboardInterrupt"]
+    assert "[rank 0] tensor([3.])" in text_of(out[8]), "an interrupt elsewhere must not touch idle ranks"
+    assert "KeyboardInterrupt" in text_of(out[10]) and "variables are reset" in text_of(out[10])
+    old_pids = [int(p) for p in pid_file.read_text().split()]
+    assert not any(pid_alive(p) for p in old_pids)
+    assert "NameError" in text_of(out[11])
+    assert "a pool of 2 gloo ranks is running" in text_of(out[12])
+    assert "stopped" in text_of(out[13])
+    assert "unknown %ddp command 'bogus'" in text_of(out[14])
+
+
+def test_kernel_shutdown_leaves_no_pool_worker(tmp_path):
+    km = KernelManager(kernel_name="python3")
+    km.start_kernel(cwd=REPO)
+    client = km.client()
+    try:
+        client.start_channels()
+        client.wait_for_ready(timeout=60)
+        reply = client.execute_interactive(
+            "from ddp_helpers.pool import Pool\npool = Pool(3)\n"
+            f"open({str(tmp_path / 'pids')!r}, 'w').write(' '.join(str(r['pid']) for r in pool.status()))",
+            timeout=60)
+        assert reply["content"]["status"] == "ok"
+    finally:
+        client.stop_channels()
+        km.shutdown_kernel(now=False)
+    pids = [int(p) for p in (tmp_path / "pids").read_text().split()]
+    assert len(pids) == 3
+    assert wait_until_dead(pids, 5) == []

@@ -303,7 +303,7 @@ def test_fifty_launches_back_to_back_leave_no_port_or_process():
 
 def test_store_listens_on_loopback_only():
     listeners = {}
-    with launch_module._Rendezvous() as rdzv:
+    with launch_module.Rendezvous() as rdzv:
         for table in ("/proc/net/tcp", "/proc/net/tcp6"):
             with open(table) as f:
                 for row in f.readlines()[1:]:
