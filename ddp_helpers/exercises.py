@@ -1,10 +1,16 @@
 """Checkers for the notebooks' "Try it" exercises.
 
 Each checker runs the learner's function on real ranks, for several world
-sizes, and says exactly what is wrong (which world size, which rank, expected
-vs got). The returned Verdict is true when every case passes.
+sizes (and tensor lengths, including lengths the world size does not divide),
+and says exactly what is wrong: which case, which rank, which element,
+expected vs got. Where an exercise rebuilds a collective from point-to-point
+calls, that collective is switched off inside the ranks while the learner's
+code runs. The returned Verdict is true when every case passes.
 Reference solutions are in `ddp_helpers.solutions`.
 """
+import torch
+import torch.distributed as dist
+
 from .launcher import WorkerError, WorkerTimeout, launch
 
 
@@ -27,41 +33,126 @@ class Verdict:
         printer.text(repr(self))
 
 
-def _report(title, problems):
+class RuleBroken(RuntimeError):
+    """The exercise asked to build this without the collective it called."""
+
+
+def _forbid(names):
+    def refuse(name):
+        def call(*args, **kwargs):
+            raise RuleBroken(f"this exercise is about building it yourself: use send/recv, not dist.{name}")
+        return call
+    return {name: refuse(name) for name in names}
+
+
+def _run_in_rank(fn, make_input, forbidden):
+    """Inside a rank: switch off the forbidden collectives, call fn, restore them."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    forbidden = [name for name in forbidden if hasattr(dist, name)]  # names vary across torch versions
+    saved = {name: getattr(dist, name) for name in forbidden}
+    for name, stub in _forbid(forbidden).items():
+        setattr(dist, name, stub)
+    try:
+        return fn(*make_input(rank, world_size))
+    finally:
+        for name, original in saved.items():
+            setattr(dist, name, original)
+
+
+def _difference(expected, got):
+    """None when equal, else a short description of the first difference."""
+    if isinstance(expected, (list, tuple)):
+        if not isinstance(got, (list, tuple)) or len(got) != len(expected):
+            return f"expected a list of {len(expected)} tensors, got {type(got).__name__}" + (
+                f" of length {len(got)}" if isinstance(got, (list, tuple)) else "")
+        for i, (e, g) in enumerate(zip(expected, got)):
+            problem = _difference(e, g)
+            if problem:
+                return f"item {i}: {problem}"
+        return None
+    if isinstance(expected, torch.Tensor):
+        if not isinstance(got, torch.Tensor):
+            return f"expected a tensor, got {type(got).__name__}"
+        if got.shape != expected.shape:
+            return f"expected shape {tuple(expected.shape)}, got {tuple(got.shape)}"
+        wrong = (got != expected).flatten().nonzero()
+        if len(wrong):
+            i = int(wrong[0])
+            return f"element {i}: expected {expected.flatten()[i].item():g}, got {got.flatten()[i].item():g}"
+        return None
+    return None if got == expected else f"expected {expected!r}, got {got!r}"
+
+
+def _check(title, fn, cases, make_input, expected, forbidden=(), hint=""):
+    """Run fn for each (world_size, length) case and compare each rank's result."""
+    problems = []
+    for world_size, length in cases:
+        label = f"world_size={world_size}" + (f", length={length}" if length is not None else "")
+        try:
+            got = launch(_run_in_rank, world_size, args=(fn, lambda r, n, k=length: make_input(r, n, k), forbidden),
+                         timeout=10, quiet=True)
+        except WorkerTimeout as err:
+            problems.append(f"{label}: rank(s) {err.unfinished_ranks} never finished (a send without "
+                            f"its recv, or the other way round?) {hint}".rstrip())
+            break  # the other cases would hang the same way: no need to wait for each
+        except WorkerError as err:
+            if err.exc_type == "NotImplementedError":
+                return Verdict(title, [f"{fn.__name__} still raises NotImplementedError: fill in the stub"])
+            first_line = str(err).splitlines()[0][:300]
+            problems.append(f"{label}: {first_line} {hint}".rstrip())
+            continue
+        for rank, value in enumerate(got):
+            problem = _difference(expected(rank, world_size, length), value)
+            if problem:
+                problems.append(f"{label}, rank {rank}: {problem}")
     return Verdict(title, problems)
 
 
-def _run_cases(fn, world_sizes, expected_for, args_for=lambda ws: (), hint=""):
-    """Run fn on each world size; compare rank r's result with expected_for(ws, r)."""
-    problems = []
-    for ws in world_sizes:
-        try:
-            got = launch(fn, ws, args=args_for(ws), timeout=15, quiet=True)
-        except WorkerTimeout as err:
-            problems.append(f"world_size={ws}: rank(s) {err.unfinished_ranks} never finished. {hint}")
-            continue
-        except WorkerError as err:
-            if err.exc_type == "NotImplementedError":
-                return [f"{fn.__name__} still raises NotImplementedError: fill in the stub"]
-            first_line = str(err).splitlines()[0]
-            problems.append(f"world_size={ws}: {first_line[:300]} {hint}")
-            continue
-        for rank, value in enumerate(got):
-            want = expected_for(ws, rank)
-            if value != want:
-                problems.append(f"world_size={ws}, rank {rank}: expected {want!r}, got {value!r}")
-    return problems
+def _no_input(rank, world_size, length):
+    return ()
+
+
+def check_rank_squares(fn):
+    """Notebook 00: each rank returns its rank squared."""
+    return _check("my_square", fn, [(2, None), (4, None)], _no_input, lambda r, n, k: r * r)
 
 
 def check_parity_group_sum(fn):
     """Notebook 01: each rank returns the sum of the ranks with its own parity,
     computed with an all_reduce inside a `new_group` of even or odd ranks."""
-    def expected(ws, rank):
-        return sum(r for r in range(ws) if r % 2 == rank % 2)
     hint = "Every rank must call dist.new_group for every group, in the same order, even groups it is not in."
-    return _report("parity_group_sum", _run_cases(fn, [2, 3, 4], expected, hint=hint))
+    return _check("parity_group_sum", fn, [(2, None), (3, None), (4, None)], _no_input,
+                  lambda r, n, k: sum(i for i in range(n) if i % 2 == r % 2), hint=hint)
 
 
-def check_rank_squares(fn):
-    """Notebook 00: each rank returns its rank squared."""
-    return _report("my_square", _run_cases(fn, [2, 4], lambda ws, rank: rank * rank))
+def _rank_data(rank, world_size, length):
+    """Each rank's own tensor in the p2p exercises: easy to tell apart by eye."""
+    return (torch.arange(length, dtype=torch.float32) + 100 * rank,)
+
+
+_LENGTH_CASES = [(2, 1), (2, 5), (3, 4), (3, 7), (4, 3), (4, 10)]
+
+
+def check_all_gather(fn):
+    """Notebook 02: `fn(t)` returns the list of every rank's tensor, built from send/recv."""
+    return _check("my_all_gather", fn, _LENGTH_CASES, _rank_data,
+                  lambda r, n, k: [_rank_data(i, n, k)[0] for i in range(n)],
+                  forbidden=("all_gather", "all_gather_object", "all_gather_into_tensor", "all_gather_single",
+                             "broadcast"))
+
+
+def check_tree_broadcast(fn):
+    """Notebook 02: `fn(t)` returns rank 0's tensor on every rank, sent along a binary tree."""
+    return _check("tree_broadcast", fn, _LENGTH_CASES + [(4, 1)], _rank_data,
+                  lambda r, n, k: _rank_data(0, n, k)[0],
+                  forbidden=("broadcast", "broadcast_object_list", "scatter", "all_gather", "all_reduce"))
+
+
+def check_ring_all_reduce(fn):
+    """Notebook 03: `fn(t)` returns the element-wise sum over ranks, by reduce-scatter then
+    all-gather around a ring, with lengths the world size does not divide."""
+    return _check("ring_all_reduce", fn, _LENGTH_CASES, _rank_data,
+                  lambda r, n, k: sum(_rank_data(i, n, k)[0] for i in range(n)),
+                  forbidden=("all_reduce", "reduce", "reduce_scatter", "all_gather", "broadcast",
+                             "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather_single",
+                             "reduce_scatter_single"))

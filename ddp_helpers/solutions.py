@@ -18,3 +18,57 @@ def parity_group_sum():
     total = torch.tensor([rank])
     dist.all_reduce(total, group=mine)
     return int(total.item())
+
+
+def my_all_gather(t):
+    """Notebook 02: every rank's tensor, in rank order, from point-to-point calls.
+    Each rank posts all its sends and receives at once, so no ordering can deadlock."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    gathered = [t.clone() if r == rank else torch.empty_like(t) for r in range(world_size)]
+    ops = []
+    for peer in range(world_size):
+        if peer != rank:
+            ops.append(dist.P2POp(dist.isend, t, peer))
+            ops.append(dist.P2POp(dist.irecv, gathered[peer], peer))
+    for request in dist.batch_isend_irecv(ops) if ops else []:
+        request.wait()
+    return gathered
+
+
+def tree_broadcast(t):
+    """Notebook 02: rank 0's tensor to everyone along a binomial tree: in round k,
+    every rank that already has the data (ranks below 2**k) sends it to rank + 2**k.
+    log2(world_size) rounds instead of world_size - 1 sends from rank 0."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    t = t.clone()
+    step = 1
+    while step < world_size:
+        if rank < step and rank + step < world_size:
+            dist.send(t, dst=rank + step)
+        elif step <= rank < 2 * step:
+            dist.recv(t, src=rank - step)
+        step *= 2
+    return t
+
+
+def ring_all_reduce(t):
+    """Notebook 03: SUM all-reduce as reduce-scatter then all-gather around a ring.
+    torch.tensor_split makes n chunks even when n does not divide the length."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    right, left = (rank + 1) % world_size, (rank - 1) % world_size
+    chunks = list(torch.tensor_split(t.clone(), world_size))
+
+    def pass_along(send_index, recv_index):
+        incoming = torch.empty_like(chunks[recv_index])
+        ops = [dist.P2POp(dist.isend, chunks[send_index], right), dist.P2POp(dist.irecv, incoming, left)]
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+        return incoming
+
+    for step in range(world_size - 1):  # reduce-scatter: afterwards rank r owns the sum of chunk r+1
+        i = (rank - step - 1) % world_size
+        chunks[i] += pass_along((rank - step) % world_size, i)
+    for step in range(world_size - 1):  # all-gather: the summed chunks go round once more
+        i = (rank - step) % world_size
+        chunks[i] = pass_along((rank - step + 1) % world_size, i)
+    return torch.cat(chunks)

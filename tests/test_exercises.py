@@ -1,18 +1,18 @@
-"""Each checker accepts the reference solution and rejects wrong answers."""
+"""Each checker accepts the reference solution and rejects wrong answers precisely."""
 import torch
 import torch.distributed as dist
 
 from ddp_helpers import exercises, solutions
 
 
-def whole_world_sum():
-    t = torch.tensor([dist.get_rank()])
-    dist.all_reduce(t)  # forgot the subgroup
-    return int(t.item())
-
-
-def still_a_stub():
+def still_a_stub(*args):
     raise NotImplementedError("Try it")
+
+
+def test_rank_squares():
+    assert exercises.check_rank_squares(solutions.my_square)
+    verdict = exercises.check_rank_squares(lambda: dist.get_rank() * 2)
+    assert not verdict and "world_size=4, rank 3: expected 9, got 6" in repr(verdict)
 
 
 def test_parity_group_sum_accepts_the_solution():
@@ -21,17 +21,20 @@ def test_parity_group_sum_accepts_the_solution():
 
 
 def test_parity_group_sum_rejects_a_wrong_answer_precisely():
+    def whole_world_sum():
+        t = torch.tensor([dist.get_rank()])
+        dist.all_reduce(t)  # forgot the subgroup
+        return int(t.item())
     verdict = exercises.check_parity_group_sum(whole_world_sum)
-    assert not verdict
-    assert "world_size=2, rank 0: expected 0, got 1" in repr(verdict)
+    assert not verdict and "world_size=2, rank 0: expected 0, got 1" in repr(verdict)
 
 
-def test_parity_group_sum_recognises_the_stub():
+def test_stub_is_recognised():
     verdict = exercises.check_parity_group_sum(still_a_stub)
     assert not verdict and "still raises NotImplementedError" in repr(verdict)
 
 
-def test_parity_group_sum_explains_a_hang():
+def test_parity_group_sum_explains_a_group_mistake():
     def each_rank_creates_only_its_own_group():
         rank, world_size = dist.get_rank(), dist.get_world_size()
         mine = dist.new_group(list(range(rank % 2, world_size, 2)))
@@ -42,7 +45,38 @@ def test_parity_group_sum_explains_a_hang():
     assert not verdict and "must call dist.new_group for every group" in repr(verdict)
 
 
-def test_rank_squares():
-    assert exercises.check_rank_squares(solutions.my_square)
-    verdict = exercises.check_rank_squares(lambda: dist.get_rank() * 2)
-    assert not verdict and "world_size=4, rank 3: expected 9, got 6" in repr(verdict)
+def test_all_gather_checker():
+    assert exercises.check_all_gather(solutions.my_all_gather)
+    # only rank 0's data is right; the rest are zeros
+    def half_done(t):
+        return [t.clone() if r == dist.get_rank() else torch.zeros_like(t) for r in range(dist.get_world_size())]
+    verdict = exercises.check_all_gather(half_done)
+    assert not verdict and "world_size=2, length=1, rank 0: item 1: element 0: expected 100, got 0" in repr(verdict)
+    cheat = exercises.check_all_gather(lambda t: dist.all_gather([torch.empty_like(t) for _ in range(2)], t))
+    assert not cheat and "use send/recv, not dist.all_gather" in repr(cheat)
+
+
+def test_tree_broadcast_checker():
+    assert exercises.check_tree_broadcast(solutions.tree_broadcast)
+    def only_first_hop(t):  # rank 0 sends to rank 1 only
+        if dist.get_rank() == 0:
+            dist.send(t, 1)
+        elif dist.get_rank() == 1:
+            dist.recv(t, 0)
+        return t
+    verdict = exercises.check_tree_broadcast(only_first_hop)
+    assert not verdict and "world_size=3, length=4, rank 2: element 0: expected 0, got 200" in repr(verdict)
+
+
+def test_ring_all_reduce_checker():
+    assert exercises.check_ring_all_reduce(solutions.ring_all_reduce)
+    def even_split_only(t):  # view() into equal chunks fails when the world size does not divide the length
+        return solutions.ring_all_reduce(t.view(dist.get_world_size(), -1).flatten())
+    verdict = exercises.check_ring_all_reduce(even_split_only)
+    assert not verdict and "world_size=2, length=1: rank 0 raised RuntimeError" in repr(verdict)
+    def deadlocks(t):  # every rank receives first: nobody sends
+        dist.recv(t, src=(dist.get_rank() - 1) % dist.get_world_size())
+        return t
+    verdict = exercises.check_ring_all_reduce(deadlocks)
+    assert not verdict and "never finished" in repr(verdict)
+    assert not exercises.check_ring_all_reduce(still_a_stub)

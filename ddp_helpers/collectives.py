@@ -1,0 +1,118 @@
+"""Collectives for notebooks 02 and 03: what this machine supports, a ring
+all-reduce that records every step (for the stepper picture), and a ping-pong.
+
+Everything here runs inside a rank (process group initialised).
+"""
+import time
+
+import torch
+import torch.distributed as dist
+
+# torch 2.14 renamed the tensor versions; older releases only have the old names.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _support_probes(n, rank, device):
+    """op name -> a call that uses it on small tensors of `device`."""
+    def t(*shape):
+        return torch.ones(*shape, device=device)
+
+    def p2p():
+        if n < 2:
+            return
+        if rank == 0:
+            dist.send(t(2), dst=1)
+        elif rank == 1:
+            dist.recv(t(2), src=0)
+
+    return {
+        "send / recv": p2p,
+        "broadcast": lambda: dist.broadcast(t(2), src=0),
+        "all_reduce (SUM)": lambda: dist.all_reduce(t(2)),
+        "all_reduce (AVG)": lambda: dist.all_reduce(t(2), op=dist.ReduceOp.AVG),
+        "reduce": lambda: dist.reduce(t(2), dst=0),
+        "all_gather": lambda: dist.all_gather([t(2) for _ in range(n)], t(2)),
+        "all_gather (one tensor)": lambda: all_gather_single(t(2 * n), t(2)),
+        "gather": lambda: dist.gather(t(2), [t(2) for _ in range(n)] if rank == 0 else None, dst=0),
+        "scatter": lambda: dist.scatter(t(2), [t(2) for _ in range(n)] if rank == 0 else None, src=0),
+        "reduce_scatter": lambda: dist.reduce_scatter(t(2), [t(2) for _ in range(n)]),
+        "reduce_scatter (one tensor)": lambda: reduce_scatter_single(t(2), t(2 * n)),
+        "all_to_all": lambda: dist.all_to_all([t(1) for _ in range(n)], [t(1) for _ in range(n)]),
+        "barrier": dist.barrier,
+    }
+
+
+def probe_support(device="cpu"):
+    """Try every op on this process group's backend with tensors on `device`.
+
+    Returns {op: "✓"} or {op: "✘ <error type>"}. Ops run in the same order on
+    every rank, so a failing op fails on all of them and the probe carries on.
+    """
+    found = {}
+    for name, call in _support_probes(dist.get_world_size(), dist.get_rank(), device).items():
+        try:
+            call()
+            if device != "cpu":
+                torch.cuda.synchronize()
+            found[name] = "✓"
+        except Exception as exc:  # the backend says no: that is the answer we want
+            found[name] = f"✘ {type(exc).__name__}"
+    return found
+
+
+def ring_all_reduce_steps(tensor):
+    """SUM all-reduce along a ring, as NCCL's ring algorithm does, recording a
+    snapshot of this rank's chunks after every step.
+
+    Reduce-scatter (n-1 steps): at step s, rank r sends chunk (r - s) to rank r+1,
+    which adds it to its own copy. Afterwards rank r owns the full sum of chunk (r + 1).
+    All-gather (n-1 steps): the summed chunks travel on around the ring.
+    Returns (result, snapshots): snapshots[k] is a list of this rank's chunks after step k.
+    """
+    n, rank = dist.get_world_size(), dist.get_rank()
+    right, left = (rank + 1) % n, (rank - 1) % n
+    chunks = list(torch.tensor_split(tensor.clone(), n))
+    snapshots = [[c.clone() for c in chunks]]
+    for phase in ("reduce-scatter", "all-gather"):
+        for step in range(n - 1):
+            offset = step if phase == "reduce-scatter" else step - 1
+            send_index, recv_index = (rank - offset) % n, (rank - offset - 1) % n
+            incoming = torch.empty_like(chunks[recv_index])
+            ops = [dist.P2POp(dist.isend, chunks[send_index], right),
+                   dist.P2POp(dist.irecv, incoming, left)]
+            for request in dist.batch_isend_irecv(ops):
+                request.wait()
+            if phase == "reduce-scatter":
+                chunks[recv_index] += incoming
+            else:
+                chunks[recv_index] = incoming
+            snapshots.append([c.clone() for c in chunks])
+    return torch.cat(chunks), snapshots
+
+
+def ping_pong(sizes_bytes, iters=20, warmup=3, device="cpu"):
+    """Round-trip time between ranks 0 and 1 for each message size, in microseconds
+    (median over `iters`). Rank 0 sends, rank 1 sends the same bytes back."""
+    rank = dist.get_rank()
+    peer = 1 - rank
+    results = []
+    for size in sizes_bytes:
+        buffer = torch.zeros(max(1, size), dtype=torch.uint8, device=device)
+        times = []
+        for i in range(warmup + iters):
+            if device != "cpu":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            if rank == 0:
+                dist.send(buffer, dst=peer)
+                dist.recv(buffer, src=peer)
+            elif rank == 1:
+                dist.recv(buffer, src=peer)
+                dist.send(buffer, dst=peer)
+            if device != "cpu":
+                torch.cuda.synchronize()
+            if i >= warmup:
+                times.append(time.perf_counter() - start)
+        results.append((size, sorted(times)[len(times) // 2] * 1e6))
+    return results

@@ -1,0 +1,132 @@
+"""Pictures of what the ranks hold: a coloured grid per rank, before and after
+a collective, and a stepper that walks a ring all-reduce chunk by chunk.
+
+All functions take the real tensors that the workers returned.
+"""
+import matplotlib.pyplot as plt
+import torch
+from matplotlib import colors
+
+
+def _as_rows(value):
+    """A tensor (any shape), a list of tensors, or None -> a 1-D float tensor or None."""
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)):
+        return torch.cat([torch.as_tensor(v).flatten() for v in value]).float()
+    return torch.as_tensor(value).flatten().float()
+
+
+def _draw_row(ax, row, norm, cmap, label_fmt="{:g}"):
+    ax.set_xticks([])
+    ax.set_yticks([])
+    for side in ax.spines.values():
+        side.set_visible(False)
+    if row is None or row.numel() == 0:
+        ax.text(0.5, 0.5, "—", ha="center", va="center", transform=ax.transAxes, color="grey")
+        return
+    ax.imshow(row.reshape(1, -1).numpy(), cmap=cmap, norm=norm, aspect="equal")
+    for i, v in enumerate(row.tolist()):
+        shade = cmap(norm(v))
+        ink = "black" if 0.299 * shade[0] + 0.587 * shade[1] + 0.114 * shade[2] > 0.55 else "white"
+        ax.text(i, 0, label_fmt.format(v), ha="center", va="center", fontsize=9, color=ink)
+
+
+def show_ranks(per_rank, title, stages=("before", "after"), cmap="viridis"):
+    """Draw each rank's tensors, one row per rank, one column per stage.
+
+    per_rank[r] is a tuple with one tensor (or list of tensors, or None) per stage,
+    e.g. the `(before, after)` a `%%ddp` cell returned on rank r.
+    """
+    rows = [[_as_rows(v) for v in stage_values] for stage_values in per_rank]
+    known = [r for ranks in rows for r in ranks if r is not None and r.numel()]
+    low = min(float(r.min()) for r in known)
+    high = max(float(r.max()) for r in known)
+    norm = colors.Normalize(vmin=low, vmax=high if high > low else low + 1)
+    cmap = plt.get_cmap(cmap)
+    width = max((r.numel() for r in known), default=1)
+    fig, axes = plt.subplots(len(rows), len(stages), squeeze=False,
+                             figsize=(1.2 + 0.45 * width * len(stages), 0.55 * len(rows) + 0.8))
+    for rank, ranks in enumerate(rows):
+        for col, row in enumerate(ranks):
+            ax = axes[rank][col]
+            _draw_row(ax, row, norm, cmap)
+            ax.set_xlim(-0.5, width - 0.5)
+            if col == 0:
+                ax.set_ylabel(f"rank {rank}", rotation=0, ha="right", va="center")
+            if rank == 0:
+                ax.set_title(stages[col])
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def _contributors(value, world_size):
+    """Ring pictures use 10**r as rank r's data, so the digits of a sum say who is in it."""
+    digits = f"{int(round(value)):0{world_size}d}"[::-1]
+    return sum(d != "0" for d in digits[:world_size])
+
+
+def draw_ring_step(snapshots, step, ax=None):
+    """One step of `collectives.ring_all_reduce_steps`, all ranks: rows are ranks,
+    columns are chunks, colour = how many ranks' data a chunk already holds."""
+    world_size = len(snapshots)
+    steps = len(snapshots[0]) - 1
+    ax = ax or plt.gca()
+    cmap = plt.get_cmap("Blues", world_size + 1)
+    grid = [[_contributors(float(chunk.flatten()[0]), world_size) for chunk in snapshots[r][step]]
+            for r in range(world_size)]
+    ax.imshow(grid, cmap=cmap, vmin=0, vmax=world_size, aspect="auto")
+    for r in range(world_size):
+        for c, chunk in enumerate(snapshots[r][step]):
+            label = f"{int(chunk.flatten()[0]):0{world_size}d}"
+            ax.text(c, r, label, ha="center", va="center", fontsize=10,
+                    color="white" if grid[r][c] > world_size / 2 else "black")
+    ax.set_xticks(range(world_size), [f"chunk {c}" for c in range(world_size)])
+    ax.set_yticks(range(world_size), [f"rank {r}" for r in range(world_size)])
+    phase = ("start" if step == 0 else
+             f"reduce-scatter step {step}/{world_size - 1}" if step < world_size else
+             f"all-gather step {step - world_size + 1}/{world_size - 1}")
+    ax.set_title(f"step {step}/{steps}: {phase}")
+    return ax
+
+
+def ring_stepper(snapshots):
+    """An ipywidgets slider that walks through the ring all-reduce step by step."""
+    import ipywidgets as widgets
+
+    steps = len(snapshots[0]) - 1
+
+    def show(step):
+        fig, ax = plt.subplots(figsize=(1.6 + 1.2 * len(snapshots), 0.6 + 0.6 * len(snapshots)))
+        draw_ring_step(snapshots, step, ax)
+        plt.show()
+
+    slider = widgets.IntSlider(value=0, min=0, max=steps, description="step", continuous_update=True)
+    return widgets.interactive(show, step=slider)
+
+
+def ring_all_steps(snapshots):
+    """Every step of the ring side by side (the stepper's frames, for a printed page)."""
+    steps = len(snapshots[0])
+    fig, axes = plt.subplots(1, steps, figsize=(2.6 * steps, 0.5 + 0.55 * len(snapshots)), squeeze=False)
+    for step, ax in enumerate(axes[0]):
+        draw_ring_step(snapshots, step, ax)
+        ax.set_title(ax.get_title().replace(": ", "\n"), fontsize=9)
+        if step:
+            ax.set_yticks([])
+        ax.set_xticks(range(len(snapshots)), [f"c{c}" for c in range(len(snapshots))])
+    fig.tight_layout()
+    return fig
+
+
+def latency_plot(rows, label, ax=None):
+    """Round-trip time against message size, log-log; rows are (bytes, microseconds)."""
+    ax = ax or plt.gca()
+    sizes, times = zip(*rows)
+    ax.loglog(sizes, times, marker="o", label=label)
+    ax.set_xlabel("message size (bytes)")
+    ax.set_ylabel("round trip (µs)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    return ax
