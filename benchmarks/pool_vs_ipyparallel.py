@@ -1,5 +1,6 @@
 """Round trip of a trivial cell on 4 warm workers: our `%%ddp` pool against
-ipyparallel's `%%px` on 4 engines, in the same IPython shell, in one run.
+ipyparallel's `%%px` on 4 engines, in the same IPython shell, in one run
+(and, for scale, `%%ddp` without a pool, which starts fresh ranks per cell).
 
     pip install ipyparallel        # only for this benchmark
     python benchmarks/pool_vs_ipyparallel.py [--cells 100] [--ranks 4]
@@ -39,6 +40,7 @@ def main():
     shell.run_cell(f"%ddp start -n {args.ranks} -b gloo").raise_error()
     ours = time_cells(shell, "%%ddp\nx = 1", args.cells)
     shell.run_cell("%ddp stop").raise_error()
+    fresh = time_cells(shell, f"%%ddp -n {args.ranks}\nx = 1", max(5, args.cells // 5))
 
     cluster = ipp.Cluster(n=args.ranks, log_level=40)
     client = cluster.start_and_connect_sync()
@@ -57,6 +59,8 @@ def main():
           f"(p90 {sorted(ours)[int(0.9 * len(ours))] * 1e3:.2f} ms)")
     print(f"%%px on {args.ranks} ipyparallel {ipp.__version__} engines: median {med(theirs) * 1e3:.2f} ms "
           f"(p90 {sorted(theirs)[int(0.9 * len(theirs))] * 1e3:.2f} ms)")
+    print(f"%%ddp without a pool (fresh ranks each cell): median {med(fresh) * 1e3:.1f} ms "
+          f"over {len(fresh)} cells")
     print(f"ratio ours / ipyparallel: {med(ours) / med(theirs):.2f}x  (goal: at most 1.0x)")
 
 

@@ -43,14 +43,17 @@ def _support_probes(n, rank, device):
     }
 
 
-def probe_support(device="cpu"):
+def probe_support(device="cpu", only=None):
     """Try every op on this process group's backend with tensors on `device`.
 
     Returns {op: "✓"} or {op: "✘ <error type>"}. Ops run in the same order on
     every rank, so a failing op fails on all of them and the probe carries on.
+    `only` probes a single op (by its name in the result).
     """
     found = {}
     for name, call in _support_probes(dist.get_world_size(), dist.get_rank(), device).items():
+        if only is not None and name != only:
+            continue
         try:
             call()
             if device != "cpu":
@@ -95,6 +98,8 @@ def ping_pong(sizes_bytes, iters=20, warmup=3, device="cpu"):
     """Round-trip time between ranks 0 and 1 for each message size, in microseconds
     (median over `iters`). Rank 0 sends, rank 1 sends the same bytes back."""
     rank = dist.get_rank()
+    if rank > 1:
+        return None  # only ranks 0 and 1 take part
     peer = 1 - rank
     results = []
     for size in sizes_bytes:

@@ -283,10 +283,11 @@ def _run(job, timeout, quiet):
             dump_stacks(processes, unfinished, output)
             stop_processes(processes, output)
             done = [r for r in range(n) if r not in unfinished]
+            where = "in the logs" if quiet else "printed above"
             raise WorkerTimeout(
                 f"timed out after {timeout:g} s: rank(s) {unfinished} had not finished "
                 f"(finished: {done or 'none'}). A rank waiting in a collective for a rank that "
-                f"never calls it waits forever; their stacks are printed above. Logs: {job.run_dir}",
+                f"never calls it waits forever; their stacks are {where}. Logs: {job.run_dir}",
                 unfinished_ranks=unfinished, log_dir=job.run_dir)
         stop_processes(processes, output)  # the rest, after a failure
         if failed_first is not None:

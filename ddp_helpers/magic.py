@@ -7,6 +7,9 @@
     dist.all_reduce(t)
     t                      # each rank's value of the last expression is shown
 
+`%%ddp -o result` also keeps those values, one per rank, in the notebook
+variable `result` (for plotting them, say).
+
 Each rank's namespace starts with `torch`, `dist` (torch.distributed), `rank`
 and `world_size`, plus copies of the notebook's variables that the cell uses
 (sent with cloudpickle). The process group is already initialised.
@@ -38,6 +41,7 @@ def _parser(prog, with_timeout):
     parser.add_argument("-b", "--backend", default=None, help="gloo, nccl or auto (default gloo)")
     if with_timeout:
         parser.add_argument("-t", "--timeout", type=float, default=120, help="seconds before the ranks are stopped")
+        parser.add_argument("-o", "--out", default=None, help="also store the per-rank values in this variable")
     return parser
 
 
@@ -67,11 +71,15 @@ class DDPMagics(Magics):
             if opts.nprocs not in (None, pool.world_size) or opts.backend not in (None, pool.backend):
                 raise ValueError(f"a pool of {pool.world_size} {pool.backend} ranks is running: "
                                  "drop -n/-b, or `%ddp stop` it first")
-            return pool.run_cell(cell, self.shell.user_ns, filename, timeout=opts.timeout)
-        sent = globals_to_send(cell, self.shell.user_ns)
-        values = launch(run_cell, world_size=opts.nprocs or 2, backend=opts.backend or "gloo",
-                        args=(cell, sent, filename), timeout=opts.timeout)
-        return None if all(v is None for v in values) else PerRank(values)
+            values = pool.run_cell(cell, self.shell.user_ns, filename, timeout=opts.timeout)
+        else:
+            sent = globals_to_send(cell, self.shell.user_ns)
+            values = launch(run_cell, world_size=opts.nprocs or 2, backend=opts.backend or "gloo",
+                            args=(cell, sent, filename), timeout=opts.timeout)
+            values = None if all(v is None for v in values) else PerRank(values)
+        if opts.out:
+            self.shell.user_ns[opts.out] = values
+        return values
 
     def _line(self, line):
         command, _, rest = line.strip().partition(" ")

@@ -1,7 +1,8 @@
 """Pictures of what the ranks hold: a coloured grid per rank, before and after
 a collective, and a stepper that walks a ring all-reduce chunk by chunk.
 
-All functions take the real tensors that the workers returned.
+All functions take the real tensors that the workers returned, and draw (they
+return nothing, so a notebook shows each picture once).
 """
 import matplotlib.pyplot as plt
 import torch
@@ -44,21 +45,21 @@ def show_ranks(per_rank, title, stages=("before", "after"), cmap="viridis"):
     high = max(float(r.max()) for r in known)
     norm = colors.Normalize(vmin=low, vmax=high if high > low else low + 1)
     cmap = plt.get_cmap(cmap)
-    width = max((r.numel() for r in known), default=1)
-    fig, axes = plt.subplots(len(rows), len(stages), squeeze=False,
-                             figsize=(1.2 + 0.45 * width * len(stages), 0.55 * len(rows) + 0.8))
+    widths = [max([r.numel() for r in column if r is not None] + [1]) for column in zip(*rows)]
+    fig, axes = plt.subplots(len(rows), len(stages), squeeze=False, gridspec_kw={"width_ratios": widths},
+                             figsize=(1.4 + 0.42 * sum(widths), 0.5 * len(rows) + 0.9))
     for rank, ranks in enumerate(rows):
         for col, row in enumerate(ranks):
             ax = axes[rank][col]
             _draw_row(ax, row, norm, cmap)
-            ax.set_xlim(-0.5, width - 0.5)
+            ax.set_xlim(-0.5, widths[col] - 0.5)
             if col == 0:
                 ax.set_ylabel(f"rank {rank}", rotation=0, ha="right", va="center")
             if rank == 0:
                 ax.set_title(stages[col])
     fig.suptitle(title)
     fig.tight_layout()
-    return fig
+    plt.show()
 
 
 def _contributors(value, world_size):
@@ -117,7 +118,7 @@ def ring_all_steps(snapshots):
             ax.set_yticks([])
         ax.set_xticks(range(len(snapshots)), [f"c{c}" for c in range(len(snapshots))])
     fig.tight_layout()
-    return fig
+    plt.show()
 
 
 def latency_plot(rows, label, ax=None):
@@ -128,5 +129,5 @@ def latency_plot(rows, label, ax=None):
     ax.set_xlabel("message size (bytes)")
     ax.set_ylabel("round trip (µs)")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    ax.legend(loc="upper left", fontsize=9)
     return ax

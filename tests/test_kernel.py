@@ -93,6 +93,8 @@ def test_ddp_magic_runs_the_cell_on_every_rank():
         "%%ddp -n 2\nt = torch.ones(2) * (rank + 1) * scale\ndist.all_reduce(t)\nprint('sum on', rank)\nt",
         "%%ddp -n 2 -b gloo\nif rank == 1:\n    raise ValueError('boom on one rank')\nrank",
         "%%ddp -n 2\nx = 1",
+        "%%ddp -n 2 -o kept\nrank * 2",
+        "kept[1] + 100",
     ]
     out = run_notebook(cells, timeout=60)
     text = text_of(out[2])
@@ -103,6 +105,7 @@ def test_ddp_magic_runs_the_cell_on_every_rank():
     assert "rank 1 raised ValueError: boom on one rank" in text_of(out[3])
     assert "raise ValueError('boom on one rank')" in text_of(out[3]), "the cell's own line in the traceback"
     assert out[4].outputs == [], "no last expression, no output"
+    assert text_of(out[6]) == "102", "-o keeps the per-rank values in a notebook variable"
 
 
 def test_warm_pool_magics_in_a_kernel(tmp_path):

@@ -1,0 +1,86 @@
+"""The teaching helpers of notebooks 02 and 03: probe, recorded ring, ping-pong, pictures."""
+import matplotlib
+import pytest
+import torch
+import torch.distributed as dist
+
+from ddp_helpers import launch, plots, reference
+from ddp_helpers.collectives import ping_pong, probe_support, ring_all_reduce_steps
+
+matplotlib.use("Agg")
+
+
+def ring_of_powers():
+    n = dist.get_world_size()
+    return ring_all_reduce_steps(torch.full((n,), 10.0 ** dist.get_rank()))
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_recorded_ring_sums_and_records_every_step(world_size):
+    out = launch(ring_of_powers, world_size)
+    total = sum(10.0 ** r for r in range(world_size))
+    for result, snapshots in out:
+        assert torch.equal(result, torch.full((world_size,), total))
+        assert len(snapshots) == 2 * (world_size - 1) + 1
+    # after the reduce-scatter, rank r owns the full sum of chunk r + 1
+    for rank, (_, snapshots) in enumerate(out):
+        assert snapshots[world_size - 1][(rank + 1) % world_size].item() == total
+
+
+def test_recorded_ring_handles_lengths_the_world_size_does_not_divide():
+    def uneven():
+        return ring_all_reduce_steps(torch.arange(7.0) * (dist.get_rank() + 1))[0]
+    for result in launch(uneven, 3):
+        assert torch.equal(result, torch.arange(7.0) * 6)
+
+
+def test_probe_finds_everything_on_gloo_cpu_and_reports_refusals():
+    found = launch(probe_support, 2)[0]
+    assert found and all(v == "✓" for v in found.values()), found
+    # tensors on a device the backend cannot use are refused op by op, and the probe says so
+    refused = launch(probe_support, 2, args=("meta",))[0]
+    assert set(refused) == set(found)
+    assert all(v.startswith("✘") for op, v in refused.items() if op != "barrier"), refused
+
+
+def test_ping_pong_times_every_size_on_ranks_0_and_1_only():
+    out = launch(ping_pong, 3, args=([1, 1024, 65536],), kwargs={"iters": 5, "warmup": 1})
+    assert out[2] is None
+    assert [size for size, _ in out[0]] == [1, 1024, 65536]
+    assert all(us > 0 for _, us in out[0])
+
+
+def test_show_ranks_draws_one_row_per_rank_and_a_column_per_stage():
+    per_rank = [(torch.arange(4.0) + 10 * r, torch.arange(8.0) if r == 0 else None) for r in range(3)]
+    plots.show_ranks(per_rank, "test", stages=("before", "after"))
+    fig = matplotlib.pyplot.gcf()
+    assert len(fig.axes) == 6 and fig.axes[0].get_title() == "before"
+    texts = [t.get_text() for t in fig.axes[3].texts]  # rank 1, "after": no tensor
+    assert texts == ["—"]
+    matplotlib.pyplot.close("all")
+
+
+def test_ring_pictures_show_contributors():
+    snapshots = [s for _, s in launch(ring_of_powers, 3)]
+    ax = plots.draw_ring_step(snapshots, 2)
+    assert ax.get_title() == "step 2/4: reduce-scatter step 2/2"
+    labels = sorted(t.get_text() for t in ax.texts)
+    assert "111" in labels
+    stepper = plots.ring_stepper(snapshots)
+    assert stepper.children[0].max == 4
+    matplotlib.pyplot.close("all")
+
+
+def test_reference_files_round_trip_and_label(tmp_path):
+    rows = [{"bytes": 8, "round_trip_us": 12.5}, {"bytes": 16, "round_trip_us": 13.0}]
+    meta = {"hardware": "2x Test GPU", "interconnect": "NVLink", "torch": "2.11", "nccl": "2.28", "date": "2026-11-30"}
+    reference.save("demo", rows, meta, tmp_path)
+    loaded, loaded_meta = reference.load("demo", tmp_path)
+    assert loaded == rows and loaded_meta == meta
+    assert reference.label(meta) == "2x Test GPU, NVLink, torch 2.11, nccl 2.28 (stored, measured 2026-11-30)"
+
+
+def test_stored_gpu_references_are_real_measurements():
+    rows, meta = reference.load("pingpong_nccl")
+    assert "H200" in meta["hardware"] and meta["date"] and meta["torch"]
+    assert len(rows) >= 5 and all(row["round_trip_us"] > 0 for row in rows)
