@@ -91,8 +91,10 @@ def setup_worker_process(local_rank, job):
     _exit_when_orphaned(job.launcher_pid)
     # `kill -USR1 <pid>` prints where every thread of this worker is: how a hang is found.
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
-    # torch was imported before the environment was set, so apply the thread count by hand.
+    # torch was imported (in the forkserver) before this environment was set, so apply
+    # what torch reads at import time by hand: threads, and TORCH_DISTRIBUTED_DEBUG.
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    dist.set_debug_level_from_env()
     linecache.cache.update(job.cell_sources)
     return rank
 

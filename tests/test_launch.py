@@ -347,3 +347,19 @@ def test_nccl_on_gpus_one_device_per_rank_without_cuda_in_the_launcher():
     assert launch(nccl_sum, 2, backend="nccl") == [(3.0, 0, "nccl"), (3.0, 1, "nccl")]
     assert launch(nccl_sum, 2, backend="auto")[1] == (3.0, 1, "nccl")
     assert not torch.cuda.is_initialized(), "the launcher must not initialise CUDA in the kernel"
+
+
+def mismatched_collectives():
+    t = torch.ones(2)
+    if dist.get_rank() == 0:
+        dist.all_reduce(t)
+    else:
+        dist.broadcast(t, src=1)
+
+
+def test_env_read_by_torch_at_import_still_applies_in_workers():
+    # torch is imported once in the forkserver, before a launch's env exists: the worker
+    # must re-apply TORCH_DISTRIBUTED_DEBUG, or DETAIL would silently do nothing.
+    with pytest.raises(WorkerError, match="Detected mismatch between collectives"):
+        launch(mismatched_collectives, 2, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}, timeout=30, quiet=True)
+    assert launch(lambda: torch.get_num_threads(), 2, env={"OMP_NUM_THREADS": "1"}) == [1, 1]
