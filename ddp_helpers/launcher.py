@@ -248,7 +248,8 @@ def notebook_cell_sources():
     """Sources of notebook cells (files that exist only in linecache), so worker
     tracebacks can show the lines of code a learner wrote in a cell."""
     return {name: entry for name, entry in list(linecache.cache.items())
-            if len(entry) == 4 and not os.path.exists(name)}
+            if len(entry) == 4 and ("ipykernel_" in name or name.startswith("<ipython-input"))
+            and not os.path.exists(name)}
 
 
 # ------------------------------------------------------------- run and watch
