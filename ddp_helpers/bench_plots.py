@@ -1,0 +1,149 @@
+"""Plots of `ddp_helpers.bench` rows, and the latency-bandwidth (alpha-beta) model.
+
+    from ddp_helpers import bench, bench_plots
+    rows = bench.measure("all_reduce", bench.size_range(8, "16M"))
+    bench_plots.plot_sweeps(rows)          # time and busbw against message size
+    bench_plots.fit_alpha_beta(rows)       # (alpha in µs, beta in GB/s)
+
+The model: one call of S bytes takes t = alpha + S / beta. alpha is the fixed
+cost of a call (launch, synchronisation, network latency); beta the bandwidth
+reached on large messages. Below S = alpha * beta the fixed cost dominates
+(latency-bound: bigger messages are almost free); above it, the bytes do
+(bandwidth-bound: time grows with size).
+"""
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+
+
+def human_bytes(n):
+    """1024 -> '1 KiB', 3 * 2**20 -> '3 MiB', 8 -> '8 B'."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:g} {unit}"
+        n /= 1024
+
+
+def series_label(row, with_collective=False):
+    """'NCCL cuda + CUDA graph: 2 ranks on NVIDIA H200': what ran, and on which hardware."""
+    name = {"nccl": "NCCL", "gloo": "Gloo"}.get(row["backend"], row["backend"])
+    graph = row.get("cuda_graph") in (True, "True")  # "True" when read by a CSV reader that keeps strings
+    extras = (" + CUDA graph" if graph else "") + (f" ({row['note']})" if row.get("note") else "")
+    start = f"{row['collective']}, " if with_collective else ""
+    return f"{start}{name} {row['device']}{extras}: {row['world_size']} ranks on {row['hardware']}"
+
+
+def series(rows):
+    """Rows grouped by series_label, each group sorted by message size."""
+    mixed = len({r["collective"] for r in rows}) > 1
+    groups = {}
+    for r in rows:
+        groups.setdefault(series_label(r, mixed), []).append(r)
+    return {label: sorted(g, key=lambda r: r["bytes"]) for label, g in groups.items()}
+
+
+# ------------------------------------------------------------- the model
+def fit_alpha_beta(rows):
+    """Least-squares fit of t = alpha + S / beta to the rows; returns (alpha_us, beta_GBps).
+
+    Minimises the *relative* error, so the microsecond points count as much as the
+    millisecond ones (plain least squares would fit only the largest messages).
+    beta is an algbw (S per second): times the bus factor, it is the busbw plateau.
+    """
+    S = np.array([r["bytes"] for r in rows], dtype=float)
+    t = np.array([r["time_us"] for r in rows], dtype=float)
+    if len(rows) < 2 or len(set(S)) < 2:
+        raise ValueError("fitting alpha and beta needs at least two different message sizes")
+    (alpha_us, us_per_byte), *_ = np.linalg.lstsq(np.column_stack([1 / t, S / t]), np.ones_like(t), rcond=None)
+    beta_GBps = 1e-3 / us_per_byte if us_per_byte > 0 else float("inf")  # 1 byte/µs = 1e-3 GB/s
+    return float(alpha_us), float(beta_GBps)
+
+
+def model_time_us(nbytes, alpha_us, beta_GBps):
+    """t = alpha + S / beta, in µs."""
+    return alpha_us + np.asarray(nbytes, dtype=float) / (beta_GBps * 1e3)
+
+
+def crossover_bytes(alpha_us, beta_GBps):
+    """S = alpha * beta, where the fixed cost and the transfer take equally long
+    (the call reaches half of beta): the border between the two regimes."""
+    return alpha_us * beta_GBps * 1e3
+
+
+# ------------------------------------------------------------------ plots
+def _size_axis(ax, sizes):
+    """Log x axis with ticks at powers of 1024 (and 32x between), labelled in B/KiB/MiB/GiB."""
+    ax.set_xscale("log", base=2)
+    ticks = [2.0 ** k for k in range(0, 41, 5) if min(sizes) / 2 <= 2.0 ** k <= max(sizes) * 2]
+    ax.xaxis.set_major_locator(FixedLocator(ticks))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: human_bytes(x)))
+    ax.set_xlabel("message size S (bytes, as nccl-tests counts them)")
+    ax.grid(True, which="major", alpha=0.3)
+
+
+def mark_regimes(ax, alpha_us, beta_GBps, color, level=0):
+    """A dotted line at S = alpha*beta, with 'latency-bound' to its left and 'bandwidth-bound' to its right."""
+    x = crossover_bytes(alpha_us, beta_GBps)
+    if not np.isfinite(x) or x <= 0:
+        return
+    ax.axvline(x, color=color, linestyle=":", linewidth=1)
+    y, transform = 0.97 - 0.07 * level, ax.get_xaxis_transform()
+    ax.text(x, y, "latency-bound \u2190 ", ha="right", va="top", color=color, fontsize=8, transform=transform)
+    ax.text(x, y, " \u2192 bandwidth-bound", ha="left", va="top", color=color, fontsize=8, transform=transform)
+
+
+def _legend_below(ax):
+    """Legend under the axes, so it never hides a curve or the regime labels."""
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.15), frameon=False)
+
+
+def plot_time(rows, ax=None, fit=True):
+    """Time per call against message size (log-log), one line per series; with the
+    alpha-beta fit (dashed) and the regime border of each series."""
+    ax = ax or plt.subplots(figsize=(7, 6))[1]
+    for level, (label, group) in enumerate(series(rows).items()):
+        S = np.array([r["bytes"] for r in group], dtype=float)
+        line, = ax.plot(S, [r["time_us"] for r in group], "o-", markersize=3, label=label)
+        if fit and len(group) >= 2:
+            alpha, beta = fit_alpha_beta(group)
+            ax.plot(S, model_time_us(S, alpha, beta), "--", color=line.get_color(), linewidth=1,
+                    label=f"fit: \u03b1 = {alpha:.3g} \u00b5s, \u03b2 = {beta:.3g} GB/s")
+            mark_regimes(ax, alpha, beta, line.get_color(), level)
+    ax.set_yscale("log")
+    ax.set_ylabel("time per call (\u00b5s)")
+    _size_axis(ax, [r["bytes"] for r in rows])
+    _legend_below(ax)
+    return ax
+
+
+def plot_busbw(rows, ax=None, fit=True):
+    """Bus bandwidth against message size (log-log), one line per series; with the
+    bandwidth the alpha-beta fit predicts (dashed) and the regime border of each series."""
+    ax = ax or plt.subplots(figsize=(7, 6))[1]
+    for level, (label, group) in enumerate(series(rows).items()):
+        S = np.array([r["bytes"] for r in group], dtype=float)
+        line, = ax.plot(S, [r["busbw_GBps"] for r in group], "o-", markersize=3, label=label)
+        if fit and len(group) >= 2:
+            alpha, beta = fit_alpha_beta(group)
+            factor = group[-1]["busbw_GBps"] / group[-1]["algbw_GBps"]   # the collective's bus factor
+            ax.plot(S, S / (model_time_us(S, alpha, beta) * 1e3) * factor, "--", color=line.get_color(),
+                    linewidth=1)
+            mark_regimes(ax, alpha, beta, line.get_color(), level)
+    ax.set_yscale("log")
+    ax.set_ylabel("bus bandwidth (GB/s, 1e9 B/s)")
+    _size_axis(ax, [r["bytes"] for r in rows])
+    _legend_below(ax)
+    return ax
+
+
+def plot_sweeps(rows, title=None, fit=True):
+    """Time and busbw side by side; the title names the collective(s) and the hardware."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 6.5))
+    plot_time(rows, left, fit)
+    plot_busbw(rows, right, fit)
+    collectives = ", ".join(sorted({r["collective"] for r in rows}))
+    hardware = "; ".join(sorted({r["hardware"] for r in rows}))
+    fig.suptitle(title or f"{collectives}, measured on {hardware}")
+    fig.tight_layout()
+    return fig
