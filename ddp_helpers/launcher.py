@@ -293,6 +293,11 @@ def _run(job, timeout, quiet):
         stop_processes(processes, output)  # the rest, after a failure
         if failed_first is not None:
             raise _failure_error(job.run_dir, processes, failed_first)
+        silent = [r for r in range(n) if not os.path.exists(result_file(job.run_dir, r))]
+        if silent:  # exit code 0 but no value: sys.exit(0) or os._exit(0) inside fn
+            raise WorkerError(f"rank {silent[0]} exited with code 0 before returning a value "
+                              f"(sys.exit or os._exit inside the function?). Logs: {job.run_dir}",
+                              rank=silent[0], log_dir=job.run_dir)
         return [_read_result(job.run_dir, r) for r in range(n)]
     finally:
         if context is not None:

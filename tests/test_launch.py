@@ -221,6 +221,15 @@ def test_exit_code_without_exception_is_reported():
         launch(exit_with_code, 2, timeout=60)
 
 
+def test_exit_code_zero_without_a_value_is_reported():
+    def quit_quietly():
+        if dist.get_rank() == 1:
+            os._exit(0)
+        return "rank 0 done"
+    with pytest.raises(WorkerError, match="rank 1 exited with code 0 before returning a value"):
+        launch(quit_quietly, 2, timeout=30)
+
+
 def test_timeout_names_the_stuck_ranks_and_shows_their_stack(capfd):
     start = time.monotonic()
     with pytest.raises(WorkerTimeout) as info:
