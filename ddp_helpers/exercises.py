@@ -156,3 +156,33 @@ def check_ring_all_reduce(fn):
                   forbidden=("all_reduce", "reduce", "reduce_scatter", "all_gather", "broadcast",
                              "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather_single",
                              "reduce_scatter_single"))
+
+
+_BUSBW_CASES = [("all_reduce", 2**20, 100.0, 2), ("all_reduce", 2**30, 3273.0, 8),
+                ("all_gather", 2**24, 80.0, 4), ("reduce_scatter", 2**24, 80.0, 3),
+                ("broadcast", 2**20, 50.0, 4), ("sendrecv", 8, 5.0, 2), ("all_to_all", 2**22, 40.0, 2)]
+
+
+def check_busbw(fn):
+    """Notebook 04: `fn(collective, nbytes, time_us, world_size)` returns busbw in GB/s
+    as nccl-tests computes it. Pure arithmetic: no ranks needed."""
+    from . import bench
+    problems = []
+    for collective, nbytes, time_us, n in _BUSBW_CASES:
+        want = bench.busbw_GBps(collective, nbytes, time_us, n)
+        try:
+            got = fn(collective, nbytes, time_us, n)
+        except NotImplementedError:
+            return Verdict("my_busbw", [f"{fn.__name__} still raises NotImplementedError: fill in the stub"])
+        except Exception as err:
+            problems.append(f"{collective}, {nbytes} B in {time_us} µs on {n} ranks: raised {type(err).__name__}: {err}")
+            continue
+        def near(a, b):
+            return isinstance(a, (int, float)) and abs(a - b) <= 1e-6 * max(1.0, abs(b))
+        if not near(got, want):
+            algbw = bench.algbw_GBps(nbytes, time_us)
+            hint = ("; that is the algbw: busbw multiplies it by the collective's bus factor" if near(got, algbw)
+                    else "; GB means 1e9 bytes here, not 2**30" if near(got, want * 1e9 / 2**30) else "")
+            problems.append(f"{collective}, {nbytes} B in {time_us} µs on {n} ranks: "
+                            f"expected {want:.4f} GB/s, got {got!r}{hint}")
+    return Verdict("my_busbw", problems)

@@ -72,3 +72,12 @@ def ring_all_reduce(t):
         i = (rank - step) % world_size
         chunks[i] = pass_along((rank - step + 1) % world_size, i)
     return torch.cat(chunks)
+
+
+def my_busbw(collective, nbytes, time_us, world_size):
+    """Notebook 04: nccl-tests' bus bandwidth in GB/s (1 GB = 1e9 bytes)."""
+    algbw = nbytes / (time_us * 1e-6) / 1e9
+    n = world_size
+    factor = {"all_reduce": 2 * (n - 1) / n,
+              "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_to_all": (n - 1) / n}
+    return algbw * factor.get(collective, 1.0)

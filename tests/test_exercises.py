@@ -79,3 +79,14 @@ def test_ring_all_reduce_checker():
     verdict = exercises.check_ring_all_reduce(deadlocks)
     assert not verdict and "never finished" in repr(verdict)
     assert not exercises.check_ring_all_reduce(still_a_stub)
+
+
+def test_busbw_checker():
+    assert exercises.check_busbw(solutions.my_busbw)
+    def forgot_the_factor(collective, nbytes, time_us, world_size):
+        return nbytes / (time_us * 1e-6) / 1e9
+    verdict = exercises.check_busbw(forgot_the_factor)
+    assert not verdict and "all_reduce, 1048576 B in 100.0 µs on 2 ranks" not in repr(verdict)  # factor 1 there
+    assert "all_reduce, 1073741824 B in 3273.0 µs on 8 ranks: expected 574.1058 GB/s" in repr(verdict)
+    assert "that is the algbw" in repr(verdict)
+    assert not exercises.check_busbw(still_a_stub)
