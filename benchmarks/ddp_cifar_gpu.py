@@ -1,0 +1,240 @@
+"""DDP on CIFAR-10 with GPUs: ResNet-18 scaling efficiency, the fast net's time to accuracy, memory.
+
+    python benchmarks/ddp_cifar_gpu.py --data /path/to/cifar10-jpeg    # 1 and 2 GPUs, NCCL, ~3 min
+    python benchmarks/ddp_cifar_gpu.py --quick                         # CPU, Gloo, tiny: checks the script
+
+Measures, with real data kept on each GPU (ddp_helpers.data.DeviceLoader) and the training
+code of ddp_helpers.train (one process per GPU, started with ddp_helpers.launch):
+1. ResNet-18 training throughput at 256 images per GPU on 1 GPU (plain model: DDP would only
+   add work) and on 2 GPUs (DDP over NCCL), alternated `--repeats` times; the first
+   `--warmup-steps` steps of each run (cuDNN autotuning, allocator growth) are not counted.
+   Scaling efficiency = throughput(2 GPUs) / (2 x throughput(1 GPU)).
+2. The fast net's time to accuracy (training plus the final evaluation; data already on the
+   GPU; process group, model and data built before the clock starts, after one untimed warm-up
+   run in the same processes), `--runs` seeds, on 2 GPUs and, for comparison, on 1.
+3. Peak GPU memory of every rank.
+Writes ddp_cifar_gpu.json (hardware, versions, date, data copy, every figure, loss curves) and
+ddp_cifar_gpu.csv (one row per run) into --out (default notebooks/reference/).
+"""
+import argparse
+import csv
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+# Keep NVLink multicast off (NCCL, PyTorch symmetric memory, NVSHMEM): required on shared hosts.
+for name, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                    ("NVSHMEM_DISABLE_NVLS", "1")):
+    os.environ.setdefault(name, value)
+
+import torch  # noqa: E402
+import torchvision  # noqa: E402
+
+from ddp_helpers import data, launch, machine, train  # noqa: E402
+
+# The fast net's recipe: airbench94's global batch (1024), label smoothing, crop and flip, with
+# test-time flips; learning rate, momentum and weight decay from a small sweep on 2 H200s.
+FAST_RECIPE = dict(model="fastnet", width=64, batch_size=512, epochs=16, lr=0.6, momentum=0.9,
+                   weight_decay=5e-4, label_smoothing=0.2, crop_pad=2, warmup=0.23, tta=True)
+RESNET = dict(model="resnet18", batch_size=256, lr=0.2, epochs=100)   # epochs: enough for max_steps
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--data", default=os.environ.get(data.ENV_VAR),
+                   help=f"CIFAR-10 folder with train/ and test/ class folders (default ${data.ENV_VAR})")
+    p.add_argument("--out", help="folder for the CSV and JSON (default notebooks/reference, or a "
+                                 "temporary folder with --quick)")
+    p.add_argument("--gpus", type=int, default=2, help="GPUs for the multi-GPU runs")
+    p.add_argument("--repeats", type=int, default=3, help="ResNet-18 runs per GPU count")
+    p.add_argument("--steps", type=int, default=200, help="ResNet-18 steps per run")
+    p.add_argument("--warmup-steps", type=int, default=50, help="ResNet-18 steps not counted")
+    p.add_argument("--runs", type=int, default=5, help="timed fast-net runs (seeds) per GPU count")
+    p.add_argument("--fast-epochs", type=int, default=FAST_RECIPE["epochs"], help="fast-net epochs")
+    p.add_argument("--quick", action="store_true", help="CPU, Gloo, tiny sizes: a check of the script")
+    args = p.parse_args(argv)
+    if not args.data:
+        p.error(f"give --data (a folder with train/ and test/) or set ${data.ENV_VAR}")
+    data.check_folder(args.data)
+    if args.quick:
+        args.out = args.out or os.path.join(tempfile.gettempdir(), "ddp_cifar_gpu-quick")
+        args.steps, args.warmup_steps, args.runs, args.repeats = 6, 2, 2, 1
+    else:
+        args.out = args.out or os.path.join(REPO, "notebooks", "reference")
+        if machine.gpu_count() < args.gpus:
+            p.error(f"needs {args.gpus} GPUs, this machine has {machine.gpu_count()} (try --quick)")
+    return args
+
+
+# ------------------------------------------------------------ inside the ranks
+def resnet_throughput(settings):
+    return train.run(**settings)
+
+
+def timed_fast_runs(settings, seeds):
+    """One untimed warm-up run (cuDNN autotuning, NCCL's first calls), then one run per seed."""
+    train.run(**dict(settings, max_steps=min(30, settings.get("max_steps") or 30)))
+    return [train.run(**dict(settings, seed=seed)) for seed in seeds]
+
+
+# ------------------------------------------------------------------ measuring
+def counted_throughput(record, warmup_steps):
+    """Images per second over the steps after the warm-up, all ranks together."""
+    steps = record["steps"][warmup_steps:]
+    images_per_step = record["config"]["batch_size"] * record["world_size"]
+    seconds = sum(images_per_step / s["images_per_s"] for s in steps)  # each step's share of its window
+    return len(steps) * images_per_step / seconds
+
+
+def curve(record, every=1):
+    """A light copy of a record's per-step curve for the notebook's plots."""
+    keep = ("step", "epoch", "loss", "images_per_s", "peak_memory_gb")
+    return [{k: s[k] for k in keep if k in s} for s in record["steps"][::every]]
+
+
+def run_resnet(args, common, backend):
+    rows, curves = [], {}
+    # Losses are gathered (and the GPU waited for) every 25 steps: rarely enough not to slow it.
+    settings = dict(common, **RESNET, max_steps=args.steps, log_every=25, eval_every=0)
+    if args.quick:
+        settings.update(batch_size=8, log_every=1)
+    for repeat in range(args.repeats):
+        for gpus in (1, args.gpus):
+            record = launch(resnet_throughput, world_size=gpus, backend=backend, args=(settings,),
+                            timeout=600, quiet=True)[0]
+            rows.append({"experiment": "resnet18_throughput", "model": "resnet18", "gpus": gpus,
+                         "batch_per_gpu": settings["batch_size"], "run": repeat,
+                         "images_per_s": counted_throughput(record, args.warmup_steps),
+                         "peak_memory_gb_per_rank": record.get("peak_memory_gb")})
+            curves[f"resnet18_{gpus}gpu"] = curve(record)
+            print(f"  resnet18  {gpus} GPU(s)  run {repeat}: {rows[-1]['images_per_s']:,.0f} images/s", flush=True)
+    return rows, curves
+
+
+def run_fast(args, common, backend):
+    rows, curves = [], {}
+    settings = dict(common, **dict(FAST_RECIPE, epochs=args.fast_epochs), eval_every=0, log_every=1000)
+    if args.quick:
+        settings.update(width=8, batch_size=50, epochs=2)
+    for gpus in (args.gpus, 1):
+        per_gpu = dict(settings, batch_size=settings["batch_size"] * args.gpus // gpus)  # same global batch
+        records = launch(timed_fast_runs, world_size=gpus, backend=backend,
+                         args=(per_gpu, list(range(args.runs))), timeout=600, quiet=True)[0]
+        for seed, record in enumerate(records):
+            rows.append({"experiment": "fastnet_time_to_accuracy", "model": "fastnet", "gpus": gpus,
+                         "batch_per_gpu": per_gpu["batch_size"], "run": seed,
+                         "test_accuracy": record["test_accuracy"], "seconds": record["total_seconds"],
+                         "train_seconds": record["train_seconds"], "eval_seconds": record["eval_seconds"],
+                         "peak_memory_gb_per_rank": record.get("peak_memory_gb")})
+            print(f"  fastnet   {gpus} GPU(s)  seed {seed}: {record['test_accuracy']:.2%} "
+                  f"in {record['total_seconds']:.2f} s", flush=True)
+        curves[f"fastnet_{gpus}gpu"] = curve(records[0])
+    return rows, curves
+
+
+def summarize(rows, gpus):
+    def mean(values):
+        return statistics.mean(values) if values else None
+
+    def spread(values):
+        return statistics.stdev(values) if len(values) > 1 else 0.0
+
+    summary = {}
+    for n in sorted({1, gpus}):
+        speed = [r["images_per_s"] for r in rows if r["experiment"] == "resnet18_throughput" and r["gpus"] == n]
+        fast = [r for r in rows if r["experiment"] == "fastnet_time_to_accuracy" and r["gpus"] == n]
+        summary[f"resnet18_images_per_s_{n}gpu"] = mean(speed)
+        summary[f"resnet18_images_per_s_best_{n}gpu"] = max(speed)
+        summary[f"fastnet_accuracy_mean_{n}gpu"] = mean([r["test_accuracy"] for r in fast])
+        summary[f"fastnet_accuracy_std_{n}gpu"] = spread([r["test_accuracy"] for r in fast])
+        summary[f"fastnet_seconds_mean_{n}gpu"] = mean([r["seconds"] for r in fast])
+        summary[f"fastnet_seconds_std_{n}gpu"] = spread([r["seconds"] for r in fast])
+    one, many = summary["resnet18_images_per_s_1gpu"], summary[f"resnet18_images_per_s_{gpus}gpu"]
+    summary["resnet18_scaling_efficiency"] = many / (gpus * one)
+    # Best of the repeats: less sensitive to other programs on the host slowing one run.
+    best_one, best_many = summary["resnet18_images_per_s_best_1gpu"], summary[f"resnet18_images_per_s_best_{gpus}gpu"]
+    summary["resnet18_scaling_efficiency_best"] = best_many / (gpus * best_one)
+    return summary
+
+
+def describe_data(folder):
+    counts = {split: sum(len(files) for _, _, files in os.walk(os.path.join(folder, split)))
+              for split in ("train", "test")}
+    name = os.path.basename(os.path.normpath(folder))
+    kind = {"cifar10-jpeg": "the full set re-encoded as JPEG (lossy)",
+            "cifar10-mini": "lossless PNG subset"}.get(name, "a local class-folder copy")
+    return {"folder": name, "what": kind, "train_images": counts["train"], "test_images": counts["test"]}
+
+
+def describe_machine():
+    return {"gpus": machine.gpu_names(), "cpu_cores": machine.cpu_count(), "platform": platform.platform(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "torchvision": torchvision.__version__, "cuda": torch.version.cuda, "nccl": machine.nccl_version(),
+            "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+            "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+                                                   "NVSHMEM_DISABLE_NVLS")}}
+
+
+def write(args, report, rows):
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "ddp_cifar_gpu.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    fields = ["experiment", "model", "gpus", "batch_per_gpu", "run", "images_per_s", "test_accuracy",
+              "seconds", "train_seconds", "eval_seconds", "peak_memory_gb_per_rank"]
+    with open(os.path.join(args.out, "ddp_cifar_gpu.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        for row in rows:
+            peak = row.get("peak_memory_gb_per_rank")
+            writer.writerow({**row, "peak_memory_gb_per_rank": " ".join(f"{x:.2f}" for x in peak) if peak else ""})
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    started = time.perf_counter()
+    backend = "gloo" if args.quick else "nccl"
+    common = dict(data=args.data, verbose=False, device="cpu" if args.quick else "cuda")
+    if args.quick:
+        common.update(per_class=20, test_per_class=10)
+    print(f"{machine.summary_line()}\ndata: {args.data}", flush=True)
+    for split in (True, False):  # decode once here: the ranks then read the tensor cache
+        data.load_cifar10(train=split, root=args.data, per_class=common.get("per_class" if split else "test_per_class"))
+    print(f"data ready after {time.perf_counter() - started:.0f} s", flush=True)
+
+    resnet_rows, resnet_curves = run_resnet(args, common, backend)
+    fast_rows, fast_curves = run_fast(args, common, backend)
+    rows = resnet_rows + fast_rows
+    summary = summarize(rows, args.gpus)
+    report = {"what": "DDP CIFAR-10 on GPUs: ResNet-18 scaling efficiency, fast-net time to accuracy",
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "quick_check_only": args.quick, "machine": describe_machine(), "data": describe_data(args.data),
+              "settings": {"resnet18": dict(RESNET, max_steps=args.steps, warmup_steps=args.warmup_steps,
+                                            repeats=args.repeats),
+                           "fastnet": dict(FAST_RECIPE, epochs=args.fast_epochs, runs=args.runs)},
+              "summary": summary, "rows": rows, "curves": {**resnet_curves, **fast_curves},
+              "wall_seconds": time.perf_counter() - started}
+    write(args, report, rows)
+    n = args.gpus
+    batch = resnet_rows[0]["batch_per_gpu"]
+    print(f"\nResNet-18, {batch} images per GPU: {summary['resnet18_images_per_s_1gpu']:,.0f} images/s on 1 GPU, "
+          f"{summary[f'resnet18_images_per_s_{n}gpu']:,.0f} on {n}: scaling efficiency "
+          f"{summary['resnet18_scaling_efficiency']:.3f} (means of {args.repeats} runs; best runs: "
+          f"{summary['resnet18_images_per_s_best_1gpu']:,.0f} and {summary[f'resnet18_images_per_s_best_{n}gpu']:,.0f}, "
+          f"{summary['resnet18_scaling_efficiency_best']:.3f})")
+    for g in (n, 1):
+        print(f"fast net on {g} GPU(s): {summary[f'fastnet_accuracy_mean_{g}gpu']:.2%} "
+              f"(± {summary[f'fastnet_accuracy_std_{g}gpu']:.2%}) in {summary[f'fastnet_seconds_mean_{g}gpu']:.2f} s "
+              f"(± {summary[f'fastnet_seconds_std_{g}gpu']:.2f}), {args.runs} runs")
+    print(f"wrote {args.out}/ddp_cifar_gpu.json and .csv after {time.perf_counter() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

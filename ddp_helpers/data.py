@@ -1,0 +1,317 @@
+"""CIFAR-10 for distributed training: loading, sharding across ranks, augmenting on the device.
+
+    train_set = load_cifar10(train=True)            # Split: uint8 images (N, 3, 32, 32), int64 labels
+    loader = DeviceLoader(train_set, batch_size=256, train=True, device="cuda:0",
+                          rank=dist.get_rank(), world_size=dist.get_world_size())
+    for epoch in range(epochs):
+        loader.set_epoch(epoch)                    # a new shuffle, shared by all ranks
+        for images, labels in loader: ...          # normalised float images on the device
+
+Where the images come from, in this order:
+1. `root=` or the environment variable DDP_HELPERS_CIFAR10: a folder with train/ and test/,
+   each holding one folder per class (torchvision's ImageFolder layout);
+2. torchvision's CIFAR10 in `download_root` (default ~/.cache/ddp_helpers/torchvision),
+   downloaded by rank 0 alone when it is not there yet.
+Without either, and without network, `DataNotFoundError` says how to get the data.
+"""
+import contextlib
+import functools
+import hashlib
+import os
+import socket
+import threading
+import urllib.parse
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.utils.data import DistributedSampler
+
+ENV_VAR = "DDP_HELPERS_CIFAR10"
+CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
+MEAN = (0.4914, 0.4822, 0.4465)   # CIFAR-10 training set, per channel, on a 0-1 scale
+STD = (0.2470, 0.2435, 0.2616)
+REACH_TIMEOUT_S = 5.0             # how long to wait for the download server before giving up
+
+
+class Split(NamedTuple):
+    """One split of the data set, whole, in memory: a few dozen MB for CIFAR-10."""
+    images: torch.Tensor   # (N, 3, 32, 32) uint8
+    labels: torch.Tensor   # (N,) int64, CIFAR-10's numbering (CLASSES[label] is the name)
+
+
+class DataNotFoundError(FileNotFoundError):
+    """No copy of CIFAR-10 here and no way to download one."""
+
+
+def cache_dir():
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ddp_helpers")
+
+
+def load_cifar10(train=True, root=None, per_class=None, download_root=None):
+    """The training (or test) split as uint8 tensors on the CPU.
+
+    root:      a folder with train/ and test/ class folders; default: $DDP_HELPERS_CIFAR10,
+               else torchvision's copy in `download_root` (downloaded if missing).
+    per_class: keep only the first `per_class` images of each class (fast CPU runs).
+    Inside a process group, rank 0 does the slow part first (download, decoding) while the
+    others wait at a barrier, then they read what it left: downloading in every rank at
+    once races on the same files.
+    """
+    folder = root or os.environ.get(ENV_VAR) or None
+    if folder:
+        check_folder(folder)
+    else:
+        download_root = download_root or os.path.join(cache_dir(), "torchvision")
+        need_download = not torchvision_copy_present(download_root)
+        if need_download and not reachable(torchvision_url()):
+            raise DataNotFoundError(how_to_get_data(download_root))
+    with rank_zero_first():
+        if folder:
+            split = read_folder(folder, "train" if train else "test", per_class)
+        else:
+            split = read_torchvision(download_root, train, download=need_download)
+    if per_class is not None and not folder:
+        split = first_per_class(split, per_class)
+    return split
+
+
+@contextlib.contextmanager
+def rank_zero_first():
+    """Rank 0 runs the block while the other ranks wait; then they run it too."""
+    group = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    # Under NCCL, name this rank's GPU (else NCCL guesses it, and warns).
+    gpu = [torch.cuda.current_device()] if group and dist.get_backend() == "nccl" else None
+    if group and dist.get_rank() != 0:
+        dist.barrier(device_ids=gpu)
+    yield
+    if group and dist.get_rank() == 0:
+        dist.barrier(device_ids=gpu)
+
+
+def how_to_get_data(download_root):
+    return (
+        "CIFAR-10 was not found and cannot be downloaded (no network). Either\n"
+        f"  - point the environment variable {ENV_VAR} (or the `root` argument) at a folder with\n"
+        "    train/ and test/, each holding one folder per class (airplane, automobile, ...), or\n"
+        f"  - download it once with internet access: python -c \"import torchvision; "
+        f"torchvision.datasets.CIFAR10({download_root!r}, download=True)\"\n"
+        "    (or copy an existing cifar-10-batches-py folder there).")
+
+
+# ------------------------------------------------------------- a class-folder copy
+def check_folder(folder):
+    for split in ("train", "test"):
+        if not os.path.isdir(os.path.join(folder, split)):
+            raise DataNotFoundError(
+                f"{folder!r} (from the root argument or ${ENV_VAR}) has no {split}/ folder: a local "
+                f"CIFAR-10 copy needs train/ and test/, each with one folder per class "
+                f"({', '.join(CLASSES)}).")
+
+
+def read_folder(folder, split, per_class=None):
+    """Decode the PNG/JPEG files of `folder/split` once; later calls read a tensor cache."""
+    import torchvision  # imported here: it takes a second, and only this path needs it
+    dataset = torchvision.datasets.ImageFolder(os.path.join(folder, split))
+    if tuple(dataset.classes) != CLASSES:
+        raise DataNotFoundError(f"{folder}/{split} should hold the 10 CIFAR-10 class folders "
+                                f"{list(CLASSES)}, found {dataset.classes}")
+    samples = dataset.samples  # sorted by class, then by file name
+    if per_class is not None:
+        samples = [s for s, rank_in_class in zip(samples, _rank_in_class([y for _, y in samples]))
+                   if rank_in_class < per_class]
+    cache_file = _cache_file(folder, split, samples)
+    with contextlib.suppress(Exception):  # missing or damaged cache: decode again
+        saved = torch.load(cache_file, weights_only=True)
+        return Split(saved["images"], saved["labels"])
+    split_data = Split(_decode([path for path, _ in samples]),
+                       torch.tensor([label for _, label in samples], dtype=torch.int64))
+    _save_atomically(split_data._asdict(), cache_file)
+    return split_data
+
+
+def _rank_in_class(labels):
+    seen = {}
+    for y in labels:
+        seen[y] = seen.get(y, -1) + 1
+        yield seen[y]
+
+
+def _decode(paths):
+    from PIL import Image
+    pixels = np.stack([np.asarray(Image.open(p).convert("RGB")) for p in paths])  # (N, 32, 32, 3)
+    return torch.from_numpy(pixels).permute(0, 3, 1, 2).contiguous()
+
+
+def _cache_file(folder, split, samples):
+    """Cache name from the folder and every file's name and size: any change makes a new one."""
+    key = hashlib.sha1(os.path.abspath(folder).encode())
+    for path, _ in samples:
+        key.update(f"{os.path.relpath(path, folder)}:{os.path.getsize(path)}\n".encode())
+    return os.path.join(cache_dir(), "tensors", f"cifar10-{split}-{len(samples)}-{key.hexdigest()[:16]}.pt")
+
+
+def _save_atomically(obj, path):
+    """Write to a temporary name, then rename: a reader never sees half a file."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    except OSError:  # a read-only home: no cache, decode every time
+        pass
+
+
+# ------------------------------------------------------------ torchvision's copy
+def torchvision_url():
+    import torchvision
+    return torchvision.datasets.CIFAR10.url
+
+
+def torchvision_copy_present(download_root):
+    """Are torchvision's files there? (Their checksums are checked when they are read.)"""
+    import torchvision
+    cifar = torchvision.datasets.CIFAR10
+    folder = os.path.join(download_root, cifar.base_folder)
+    return all(os.path.isfile(os.path.join(folder, name)) for name, _ in cifar.train_list + cifar.test_list)
+
+
+def read_torchvision(download_root, train, download):
+    import torchvision
+    dataset = torchvision.datasets.CIFAR10(download_root, train=train, download=download)
+    images = torch.from_numpy(dataset.data).permute(0, 3, 1, 2).contiguous()
+    return Split(images, torch.tensor(dataset.targets, dtype=torch.int64))
+
+
+def reachable(url, timeout_s=None):
+    """Can we open a connection to the server of `url`? Answers within `timeout_s`, always:
+    name lookup ignores socket timeouts, so the attempt runs in a thread we stop waiting for."""
+    timeout_s = REACH_TIMEOUT_S if timeout_s is None else timeout_s
+    parts = urllib.parse.urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    answer = []
+
+    def attempt():
+        try:
+            socket.create_connection((parts.hostname, port), timeout=timeout_s).close()
+            answer.append(True)
+        except OSError:
+            pass
+
+    thread = threading.Thread(target=attempt, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    return bool(answer)
+
+
+def first_per_class(split, per_class):
+    """The first `per_class` images of each class, in their original order."""
+    keep = torch.tensor(list(_rank_in_class(split.labels.tolist()))) < per_class
+    return Split(split.images[keep], split.labels[keep])
+
+
+# ------------------------------------------------------- batches on the device
+def augment(images, pad=4, flip=True, generator=None):
+    """Random crop and horizontal flip of a batch of uint8 images (B, C, H, W), on their device.
+
+    Each image gets its own window, shifted by up to `pad` pixels each way; where the window
+    hangs over the edge, it sees the image mirrored (reflection padding). Flipped images read
+    their columns backwards. Both are one gather, so no padded copy is ever made. The result
+    is laid out channels-last (what convolutions on GPUs prefer).
+    """
+    n, _, h, w = images.shape
+    device = images.device
+    dy = torch.randint(-pad, pad + 1, (n, 1), device=device, generator=generator)
+    dx = torch.randint(-pad, pad + 1, (n, 1), device=device, generator=generator)
+    rows = _reflect(dy + torch.arange(h, device=device), h)                  # (n, h)
+    cols = _reflect(dx + torch.arange(w, device=device), w)                  # (n, w)
+    if flip:
+        flipped = torch.rand(n, 1, device=device, generator=generator) < 0.5
+        cols = torch.where(flipped, cols.flip(1), cols)
+    batch = torch.arange(n, device=device)[:, None, None]
+    out = images[batch, :, rows[:, :, None], cols[:, None, :]]              # (n, h, w, C)
+    return out.permute(0, 3, 1, 2)
+
+
+def _reflect(index, size):
+    """Map indices in [-size+1, 2*size-2] into [0, size): -1 -> 1, size -> size-2."""
+    index = index.abs()
+    return torch.where(index >= size, 2 * (size - 1) - index, index)
+
+
+def normalize(images):
+    """uint8 images -> float32, each channel with mean 0 and std 1 over the training set."""
+    mean, std = _channel_stats(images.device)
+    return (images.float() - mean) / std
+
+
+@functools.lru_cache(maxsize=None)
+def _channel_stats(device):
+    """MEAN and STD (0-255 scale) on `device`, made once: copying them from the host at every
+    batch would make the CPU wait for the GPU each time (a copy from ordinary host memory
+    waits for the stream), so the GPU would sit idle while Python queues the next step."""
+    return (torch.tensor(MEAN, device=device).view(1, 3, 1, 1) * 255,
+            torch.tensor(STD, device=device).view(1, 3, 1, 1) * 255)
+
+
+class DeviceLoader:
+    """Batches of one rank's share of a Split, from uint8 images kept on `device`.
+
+    The whole split lives on the device (150 MB for CIFAR-10's training set); each epoch
+    a DistributedSampler picks this rank's share, so shares change with `set_epoch` as
+    in any DDP loop. At the start of each epoch the share is gathered, augmented and
+    normalised in one go on the device (a few large operations instead of a dozen small
+    ones per step, whose launch costs would add up; 300 MB of float32 for 25,000 images),
+    then served in slices: no worker processes, no copies from the host, the GPU never
+    waits for data. Works the same with device="cpu".
+
+    train=True:  shuffled, augmented, incomplete last batch dropped (every rank must take
+                 the same number of steps, or DDP's all-reduces would wait forever).
+    train=False: every image exactly once across ranks (rank r takes r, r+W, r+2W, ...),
+                 no augmentation, last batch kept: metrics summed over ranks are exact.
+    """
+
+    def __init__(self, split, batch_size, train, device="cpu", rank=0, world_size=1, seed=0,
+                 pad=4, flip=True):
+        self.images = split.images.to(device)
+        self.labels = split.labels.to(device)
+        self.batch_size, self.train, self.device = batch_size, train, torch.device(device)
+        self.rank, self.seed, self.pad, self.flip = rank, seed, pad, flip
+        self.world_size = world_size
+        self.epoch = 0
+        if train:
+            self.sampler = DistributedSampler(range(len(self.labels)), num_replicas=world_size,
+                                              rank=rank, shuffle=True, seed=seed)
+
+    def set_epoch(self, epoch):
+        """Call before each epoch: the shuffle and the augmentation depend on it."""
+        self.epoch = epoch
+        if self.train:
+            self.sampler.set_epoch(epoch)
+
+    def indices(self):
+        """This rank's examples for this epoch, in order."""
+        if self.train:
+            return torch.tensor(list(self.sampler), dtype=torch.int64)
+        return torch.arange(self.rank, len(self.labels), self.world_size)
+
+    def __len__(self):
+        if self.train:
+            return len(self.sampler) // self.batch_size
+        share = len(range(self.rank, len(self.labels), self.world_size))
+        return -(-share // self.batch_size)
+
+    def __iter__(self):
+        order = self.indices()[:len(self) * self.batch_size].to(self.device)
+        images, labels = self.images[order], self.labels[order]
+        if self.train:
+            # One random stream per (seed, epoch, rank): a resumed run augments exactly as before.
+            generator = torch.Generator(self.device).manual_seed(
+                (self.seed * 1_000_003 + self.epoch) * 1009 + self.rank)
+            images = augment(images, self.pad, self.flip, generator)
+        else:
+            images = images.contiguous(memory_format=torch.channels_last)
+        images = normalize(images)
+        for start in range(0, len(order), self.batch_size):
+            yield images[start:start + self.batch_size], labels[start:start + self.batch_size]

@@ -1,0 +1,83 @@
+"""Two models for CIFAR-10 (32x32 images, 10 classes).
+
+    model = build_model("fastnet", width=16)   # small and quick: CPU runs, speed runs (width=64)
+    model = build_model("resnet18")            # the classic, 11M parameters: GPU throughput runs
+"""
+import torch
+import torchvision
+from torch import nn
+
+
+def resnet18(num_classes=10):
+    """torchvision's ResNet-18 with the usual CIFAR stem.
+
+    The ImageNet stem (7x7 stride-2 conv, then max-pool) shrinks 224-pixel images 4x at
+    once; on 32-pixel images it would throw away most of the picture, so the first conv
+    becomes 3x3 with stride 1 and the max-pool goes.
+    """
+    model = torchvision.models.resnet18(num_classes=num_classes)
+    model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+    nn.init.kaiming_normal_(model.conv1.weight, mode="fan_out", nonlinearity="relu")  # as torchvision does
+    model.maxpool = nn.Identity()
+    return model
+
+
+def conv_bn(c_in, c_out, pool=False):
+    """3x3 conv -> (2x2 max-pool) -> BatchNorm -> GELU. Pooling before the norm quarters its work.
+
+    BatchNorm's running statistics (used at test time) move 4x faster than PyTorch's default
+    (momentum 0.4, not 0.1): runs of a few hundred steps end with statistics that fit the weights.
+    """
+    layers = [nn.Conv2d(c_in, c_out, kernel_size=3, padding=1, bias=False)]
+    if pool:
+        layers.append(nn.MaxPool2d(2))
+    layers += [nn.BatchNorm2d(c_out, momentum=0.4), nn.GELU()]
+    return layers
+
+
+class FastNet(nn.Sequential):
+    """A small, fast convnet in the spirit of airbench's (github.com/KellerJordan/cifar10-airbench).
+
+    stem conv, then three blocks of (conv, pool, conv) at 16, 8 and 4 pixels, then a global
+    max-pool and a linear layer. Block widths are width, 4*width, 4*width:
+    width=64 has 2.0M parameters (GPU speed runs); width=16 has 0.13M (CPU runs).
+    Logits are scaled down (x 1/9, as airbench does) so that early training is not
+    dominated by over-confident outputs.
+    """
+
+    def __init__(self, width=64, num_classes=10, logit_scale=1 / 9):
+        widths = (width, 4 * width, 4 * width)
+        layers = conv_bn(3, max(width // 2, 8))
+        c_in = max(width // 2, 8)
+        for c_out in widths:
+            layers += conv_bn(c_in, c_out, pool=True) + conv_bn(c_out, c_out)
+            c_in = c_out
+        layers += [nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(c_in, num_classes, bias=False)]
+        super().__init__(*layers)
+        self.logit_scale = logit_scale
+
+    def forward(self, x):
+        return super().forward(x) * self.logit_scale
+
+
+MODELS = {"fastnet": FastNet, "resnet18": resnet18}
+
+
+def build_model(name, width=64, num_classes=10):
+    """A model by name: "fastnet" (uses `width`) or "resnet18"."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}: choose one of {', '.join(MODELS)}")
+    if name == "fastnet":
+        return FastNet(width, num_classes)
+    return MODELS[name](num_classes)
+
+
+def count_parameters(model):
+    return sum(p.numel() for p in model.parameters())
+
+
+@torch.no_grad()
+def same_parameters(a, b):
+    """True when two models hold exactly the same parameters and buffers."""
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)

@@ -1,0 +1,450 @@
+"""Train CIFAR-10 with DistributedDataParallel: one process per device, the same code everywhere.
+
+From a notebook (the process group is already there):
+    record = launch(train.run, world_size=2, backend="gloo", kwargs=dict(epochs=2, width=16))[0]
+From a shell:
+    torchrun --standalone --nproc-per-node=2 -m ddp_helpers.train --epochs 2 --width 16
+In one plain process (a world of one): python -m ddp_helpers.train --epochs 1
+
+What each rank does: join the process group, build the same model from the same seed,
+wrap it in DDP (which all-reduces gradients during backward, so every rank takes the same
+step), train on its own share of each epoch's examples, and evaluate its share of the test
+set; metrics are combined across ranks with collectives. Every rank returns the same record.
+"""
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+import typing
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from . import data, models
+from .launcher import loopback_interface
+
+METRICS_PREFIX = "@@ddp_helpers.metrics "   # lines the live view (ddp_helpers.live) picks up
+
+
+def option(default, help):
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class Config:
+    model: str = option("fastnet", "fastnet (small, fast) or resnet18")
+    width: int = option(64, "fastnet's first block width (16 for CPU runs); resnet18 ignores it")
+    data: Optional[str] = option(None, f"folder with train/ and test/ class folders; default: "
+                                       f"${data.ENV_VAR}, else torchvision's CIFAR10 (downloaded once)")
+    per_class: Optional[int] = option(None, "train on the first N images of each class only")
+    test_per_class: Optional[int] = option(None, "evaluate on the first N test images of each class only")
+    epochs: int = option(10, "passes over the training set")
+    batch_size: int = option(256, "images per step on each rank (the global batch is this x ranks)")
+    lr: float = option(0.4, "peak learning rate of the one-cycle schedule")
+    warmup: float = option(0.25, "fraction of the steps spent raising the learning rate")
+    momentum: float = option(0.9, "SGD (Nesterov) momentum")
+    weight_decay: float = option(5e-4, "L2 penalty on all weights")
+    label_smoothing: float = option(0.1, "share of each target spread over the other classes")
+    crop_pad: int = option(4, "random crops shift images by up to this many pixels (0: none)")
+    tta: bool = option(False, "test-time augmentation: average the logits of each image and its mirror")
+    seed: int = option(0, "same seed, same run: model init, shuffling and augmentation")
+    device: str = option("auto", "auto (this rank's GPU if there is one for it), cuda or cpu")
+    max_steps: Optional[int] = option(None, "stop after this many steps (the schedule is fitted to them)")
+    eval_every: int = option(1, "evaluate on the test set every N epochs (0: only at the end)")
+    log_every: int = option(10, "gather per-rank losses and throughput every N steps")
+    checkpoint: Optional[str] = option(None, "after each epoch, rank 0 saves the training state to this "
+                                             "file ({epoch} in the name: one file per epoch)")
+    resume: Optional[str] = option(None, "continue from a checkpoint written by --checkpoint")
+    verbose: bool = option(True, "rank 0 prints progress")
+    live: bool = option(False, "rank 0 prints machine-readable metric lines (for ddp_helpers.live)")
+
+
+def make_config(**settings):
+    """A checked Config from keyword settings; a clear error for unknown names or bad values."""
+    names = [f.name for f in dataclasses.fields(Config)]
+    unknown = sorted(set(settings) - set(names))
+    if unknown:
+        raise TypeError(f"unknown setting(s) {unknown}; the settings are: {', '.join(names)}")
+    cfg = Config(**settings)
+    check_config(cfg)
+    return cfg
+
+
+def check_config(cfg):
+    def need(ok, message):
+        if not ok:
+            raise ValueError(message)
+    need(cfg.model in models.MODELS, f"model must be one of {list(models.MODELS)}, got {cfg.model!r}")
+    need(cfg.width >= 1, f"width must be at least 1, got {cfg.width}")
+    need(cfg.epochs >= 1, f"epochs must be at least 1, got {cfg.epochs}")
+    need(cfg.batch_size >= 1, f"batch_size must be at least 1, got {cfg.batch_size}")
+    need(cfg.lr > 0, f"lr must be positive, got {cfg.lr}")
+    need(0 < cfg.warmup < 1, f"warmup must be between 0 and 1 (a fraction of the steps), got {cfg.warmup}")
+    need(0 <= cfg.momentum < 1, f"momentum must be in [0, 1), got {cfg.momentum}")
+    need(cfg.weight_decay >= 0, f"weight_decay must be >= 0, got {cfg.weight_decay}")
+    need(0 <= cfg.label_smoothing < 1, f"label_smoothing must be in [0, 1), got {cfg.label_smoothing}")
+    need(0 <= cfg.crop_pad <= 16, f"crop_pad must be between 0 and 16 pixels, got {cfg.crop_pad}")
+    need(cfg.device in ("auto", "cpu", "cuda"), f"device must be auto, cpu or cuda, got {cfg.device!r}")
+    need(cfg.device != "cuda" or torch.cuda.is_available(), "device='cuda' but torch sees no GPU here")
+    for name in ("per_class", "test_per_class", "max_steps"):
+        value = getattr(cfg, name)
+        need(value is None or value >= 1, f"{name} must be at least 1 (or None for all), got {value}")
+    need(cfg.eval_every >= 0, f"eval_every must be >= 0, got {cfg.eval_every}")
+    need(cfg.log_every >= 1, f"log_every must be at least 1, got {cfg.log_every}")
+    need(cfg.resume is None or os.path.isfile(cfg.resume), f"no checkpoint file at resume={cfg.resume!r}")
+    need(cfg.data is None or os.path.isdir(cfg.data), f"data folder {cfg.data!r} does not exist")
+
+
+# ------------------------------------------------------------------ setup
+def setup_distributed(cfg):
+    """Join the process group. Returns True if we created it (and so must destroy it).
+
+    Under `launch` the group already exists; under torchrun the environment says where
+    to meet (env://); in a plain process we make a world of one, so the same code runs.
+    """
+    if dist.is_initialized():
+        return False
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    use_gpu = cfg.device != "cpu" and torch.cuda.is_available() and torch.cuda.device_count() >= local_world
+    backend = "nccl" if use_gpu else "gloo"
+    if use_gpu:
+        torch.cuda.set_device(local_rank)  # before init: NCCL binds this rank to its own GPU
+    if "RANK" in os.environ:
+        dist.init_process_group(backend, device_id=torch.device("cuda", local_rank) if use_gpu else None)
+    else:  # no peers: an in-memory store, and Gloo listens on loopback only
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return True
+
+
+def pick_device(cfg):
+    """One device per process: GPU `LOCAL_RANK` with NCCL, else the CPU."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    gpu_for_me = torch.cuda.is_available() and local_rank < torch.cuda.device_count()
+    if cfg.device == "cuda" or (cfg.device == "auto" and gpu_for_me and dist.get_backend() == "nccl"):
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+@dataclass
+class Trainer:
+    """Everything one rank trains with."""
+    cfg: Config
+    device: torch.device
+    rank: int
+    world_size: int
+    model: torch.nn.Module          # the DDP wrapper (a plain module when world_size == 1)
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    train_loader: data.DeviceLoader
+    test_loader: data.DeviceLoader
+    total_steps: int
+    step: int = 0
+    start_epoch: int = 0
+
+    @property
+    def module(self):
+        """The model inside the DDP wrapper: what we evaluate and save."""
+        return self.model.module if isinstance(self.model, DDP) else self.model
+
+    def autocast(self):
+        """bf16 matrix work on GPUs (same range as fp32: no loss scaling needed); fp32 on CPU."""
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda")
+
+
+def build(cfg, device):
+    """Data, model, optimizer and schedule for this rank."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    train_set = data.load_cifar10(train=True, root=cfg.data, per_class=cfg.per_class)
+    test_set = data.load_cifar10(train=False, root=cfg.data, per_class=cfg.test_per_class)
+    train_loader = data.DeviceLoader(train_set, cfg.batch_size, train=True, device=device, rank=rank,
+                                     world_size=world_size, seed=cfg.seed, pad=cfg.crop_pad)
+    test_loader = data.DeviceLoader(test_set, 1024, train=False, device=device, rank=rank,
+                                    world_size=world_size)
+    if len(train_loader) == 0:
+        raise ValueError(f"batch_size={cfg.batch_size} on each of {world_size} ranks is more than the "
+                         f"{len(train_set.labels)} training images: lower batch_size or use more data")
+    total_steps = len(train_loader) * cfg.epochs
+    if cfg.max_steps is not None:
+        total_steps = min(total_steps, cfg.max_steps)
+
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
+    model = models.build_model(cfg.model, cfg.width).to(device, memory_format=torch.channels_last)
+    if world_size > 1:  # with one process DDP would only add work
+        # gradient_as_bucket_view: gradients live inside DDP's all-reduce buckets, which saves
+        # copying them in and out every step.
+        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                    gradient_as_bucket_view=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, nesterov=True,
+                                weight_decay=cfg.weight_decay)
+    # Linear up for `warmup` of the steps from lr/10, then linear down to lr/1000.
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, max_lr=cfg.lr, total_steps=total_steps, pct_start=cfg.warmup,
+        anneal_strategy="linear", cycle_momentum=False, div_factor=10, final_div_factor=100)
+    return Trainer(cfg, device, rank, world_size, model, optimizer, scheduler,
+                   train_loader, test_loader, total_steps)
+
+
+# --------------------------------------------------------------- training
+def train_one_epoch(t, epoch, record):
+    """One pass over this rank's share of the training set. Returns the seconds it took."""
+    t.model.train()
+    t.train_loader.set_epoch(epoch)  # without it every epoch would repeat the first one's order
+    losses, lrs = [], []             # since the last log; losses stay on the device (no waiting)
+    epoch_start = window_start = time.perf_counter()
+    for i, (images, labels) in enumerate(t.train_loader, start=1):
+        lrs.append(t.scheduler.get_last_lr()[0])
+        with t.autocast():
+            loss = F.cross_entropy(t.model(images), labels, label_smoothing=t.cfg.label_smoothing)
+        t.optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # DDP all-reduces the gradients here, bucket by bucket, during backward
+        t.optimizer.step()
+        t.scheduler.step()
+        t.step += 1
+        losses.append(loss.detach())
+        finished = t.step == t.total_steps
+        if t.step % t.cfg.log_every == 0 or i == len(t.train_loader) or finished:
+            log_steps(t, epoch, losses, lrs, window_start, record)
+            losses, lrs, window_start = [], [], time.perf_counter()
+        if finished:
+            break
+    return time.perf_counter() - epoch_start
+
+
+def log_steps(t, epoch, losses, lrs, window_start, record):
+    """Add the last steps to the record, with every rank's loss: one all_gather.
+
+    Copying the gathered table to the CPU waits for the GPU to finish those steps,
+    so the clock read after it measures real time.
+    """
+    peak = torch.cuda.max_memory_allocated(t.device) / 1e9 if t.device.type == "cuda" else 0.0
+    mine = torch.cat([torch.stack(losses).float(), torch.tensor([peak], device=t.device)])
+    everyone = [torch.empty_like(mine) for _ in range(t.world_size)]
+    dist.all_gather(everyone, mine)
+    table = torch.stack(everyone).cpu()  # (ranks, steps + 1): losses, then peak memory
+    images_per_s = len(losses) * t.cfg.batch_size * t.world_size / (time.perf_counter() - window_start)
+    first = t.step - len(losses) + 1
+    steps = [{"step": first + i, "epoch": epoch, "loss": table[:, i].tolist(), "lr": lr,
+              "images_per_s": images_per_s} for i, lr in enumerate(lrs)]
+    if t.device.type == "cuda":
+        for s in steps:
+            s["peak_memory_gb"] = table[:, -1].tolist()
+    record["steps"] += steps
+    if t.rank == 0 and t.cfg.live:
+        emit({"kind": "steps", "steps": steps})
+    if t.rank == 0 and t.cfg.verbose:
+        last = table[:, -2]
+        print(f"step {t.step}/{t.total_steps}  epoch {epoch + 1}  loss {last.mean():.3f} "
+              f"(per rank: {', '.join(f'{x:.3f}' for x in last.tolist())})  {images_per_s:,.0f} images/s",
+              flush=True)
+
+
+@torch.no_grad()
+def evaluate(t):
+    """Test loss and accuracy over the whole test set: each rank scores its share, then one
+    all_reduce sums (loss, correct, count) over ranks."""
+    model = t.module
+    model.eval()
+    loss_sum, correct = torch.zeros((), device=t.device), torch.zeros((), device=t.device)
+    for images, labels in t.test_loader:
+        with t.autocast():
+            logits = model(images).float()
+            if t.cfg.tta:
+                logits = (logits + model(images.flip(-1)).float()) / 2
+        loss_sum += F.cross_entropy(logits, labels, reduction="sum")  # sums stay on the device: no waiting
+        correct += (logits.argmax(1) == labels).sum()
+    count = torch.tensor(float(len(t.test_loader.indices())), device=t.device)
+    totals = torch.stack([loss_sum, correct, count])
+    dist.all_reduce(totals)  # SUM over ranks
+    loss_sum, correct, count = totals.tolist()
+    return loss_sum / count, correct / count
+
+
+# ------------------------------------------------------------- checkpoints
+def save_checkpoint(t, path, epoch):
+    """Rank 0 writes the whole training state; the others wait until the file is complete.
+
+    The first barrier makes sure every rank finished the epoch; the second that nobody
+    goes on (and maybe reads the file) before it exists. Written under a temporary name
+    and renamed, so a crash mid-write never leaves half a checkpoint.
+    """
+    barrier(t)
+    if t.rank == 0:
+        state = {"model": t.module.state_dict(), "optimizer": t.optimizer.state_dict(),
+                 "scheduler": t.scheduler.state_dict(), "epoch": epoch, "step": t.step,
+                 "config": dataclasses.asdict(t.cfg)}
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        torch.save(state, path + ".tmp")
+        os.replace(path + ".tmp", path)
+    barrier(t)
+
+
+def load_checkpoint(t, path):
+    """Every rank reads the checkpoint onto its own device (map_location: tensors saved
+    from cuda:0 would otherwise all land on cuda:0) and continues after its epoch."""
+    state = torch.load(path, map_location=t.device, weights_only=True)
+    t.module.load_state_dict(state["model"])
+    t.optimizer.load_state_dict(state["optimizer"])
+    t.scheduler.load_state_dict(state["scheduler"])
+    t.step, t.start_epoch = state["step"], state["epoch"] + 1
+
+
+# ------------------------------------------------------------------- run
+def run(**settings):
+    """Train with the given settings (see Config, or `--help`); return the record.
+
+    record["steps"]:  per step: step, epoch, loss (one per rank), images_per_s (over the
+                      last log_every steps, all ranks), lr, peak_memory_gb (per rank, GPU only)
+    record["epochs"]: per epoch: train_loss (mean over ranks), test_loss, test_accuracy,
+                      seconds (training only), images_per_s
+    and the final test_loss, test_accuracy, train_seconds (training only), eval_seconds
+    (final evaluation), total_seconds (from the first step to the final accuracy, all
+    included), peak_memory_gb (per rank, GPU only), device, world_size, backend, config.
+    """
+    cfg = make_config(**settings)
+    created = setup_distributed(cfg)
+    try:
+        return train(cfg)
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+def train(cfg):
+    """The training loop proper, inside a process group."""
+    device = pick_device(cfg)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True  # pick the fastest conv algorithms for these shapes
+        torch.cuda.reset_peak_memory_stats(device)
+    t = build(cfg, device)
+    if cfg.resume:
+        load_checkpoint(t, cfg.resume)
+    record = {"config": dataclasses.asdict(cfg), "device": str(device), "world_size": t.world_size,
+              "backend": dist.get_backend(), "total_steps": t.total_steps, "steps": [], "epochs": [],
+              "train_seconds": 0.0}
+    announce(t)
+
+    synchronize(t)  # start the clock together, with nothing left queued on the GPU
+    start = time.perf_counter()
+    for epoch in range(t.start_epoch, cfg.epochs):
+        if t.step >= t.total_steps:
+            break
+        first_step = len(record["steps"])
+        seconds = train_one_epoch(t, epoch, record)
+        record["train_seconds"] += seconds
+        summary = epoch_summary(t, epoch, seconds, record["steps"][first_step:])
+        last_epoch = t.step >= t.total_steps or epoch == cfg.epochs - 1
+        if cfg.eval_every and (epoch + 1) % cfg.eval_every == 0 and not last_epoch:
+            summary["test_loss"], summary["test_accuracy"] = evaluate(t)
+            report_epoch(t, summary)
+        if cfg.checkpoint:
+            save_checkpoint(t, cfg.checkpoint.format(epoch=epoch), epoch)
+        record["epochs"].append(summary)
+
+    eval_start = time.perf_counter()
+    record["test_loss"], record["test_accuracy"] = evaluate(t)  # its all_reduce result waits for the GPU
+    record["eval_seconds"] = time.perf_counter() - eval_start
+    record["total_seconds"] = time.perf_counter() - start  # time to accuracy: training + evaluations
+    if record["epochs"]:
+        record["epochs"][-1].update(test_loss=record["test_loss"], test_accuracy=record["test_accuracy"])
+        report_epoch(t, record["epochs"][-1])
+    if device.type == "cuda":
+        record["peak_memory_gb"] = gather_floats(torch.cuda.max_memory_allocated(device) / 1e9, device)
+    if t.rank == 0 and cfg.live:
+        emit({"kind": "end", "test_accuracy": record["test_accuracy"], "test_loss": record["test_loss"]})
+    if t.rank == 0 and cfg.verbose:
+        print(f"done: test accuracy {record['test_accuracy']:.2%}, test loss {record['test_loss']:.3f}, "
+              f"{record['train_seconds']:.1f} s of training", flush=True)
+    return record
+
+
+def synchronize(t):
+    if t.device.type == "cuda":
+        torch.cuda.synchronize(t.device)
+    barrier(t)
+
+
+def barrier(t):
+    """dist.barrier, naming this rank's GPU under NCCL (else NCCL guesses it, and warns)."""
+    dist.barrier(device_ids=[t.device.index] if dist.get_backend() == "nccl" else None)
+
+
+def epoch_summary(t, epoch, seconds, steps):
+    loss = sum(sum(s["loss"]) for s in steps) / (len(steps) * t.world_size)  # mean over steps and ranks
+    return {"epoch": epoch, "seconds": seconds, "train_loss": loss,
+            "images_per_s": len(steps) * t.cfg.batch_size * t.world_size / seconds}
+
+
+def announce(t):
+    if t.rank == 0 and t.cfg.live:
+        emit({"kind": "start", "total_steps": t.total_steps, "start_step": t.step, "epochs": t.cfg.epochs,
+              "world_size": t.world_size, "model": t.cfg.model, "device": t.device.type})
+    if t.rank == 0 and t.cfg.verbose:
+        print(f"{t.cfg.model} on {t.world_size} rank(s), {t.device.type}, {dist.get_backend()}: "
+              f"{len(t.train_loader)} steps/epoch of {t.cfg.batch_size} images per rank", flush=True)
+
+
+def report_epoch(t, summary):
+    if t.rank == 0 and t.cfg.live:
+        emit({"kind": "epoch", **summary})
+    if t.rank == 0 and t.cfg.verbose:
+        print(f"epoch {summary['epoch'] + 1}/{t.cfg.epochs}  train loss {summary['train_loss']:.3f}  "
+              f"test loss {summary['test_loss']:.3f}  test accuracy {summary['test_accuracy']:.2%}  "
+              f"{summary['images_per_s']:,.0f} images/s", flush=True)
+
+
+def gather_floats(value, device):
+    """One number from each rank, as a list in rank order."""
+    mine = torch.tensor([float(value)], device=device)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    return [x.item() for x in everyone]
+
+
+def emit(message):
+    print(METRICS_PREFIX + json.dumps(message), flush=True)
+
+
+# -------------------------------------------------------------------- CLI
+def parse_args(argv=None):
+    """Command-line flags, one per Config field, with its default and help."""
+    parser = argparse.ArgumentParser(
+        prog="python -m ddp_helpers.train",
+        description="Train CIFAR-10 with DDP. Start with torchrun, e.g. torchrun --standalone "
+                    "--nproc-per-node=2 -m ddp_helpers.train --width 16 --epochs 2",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    hints = typing.get_type_hints(Config)
+    for f in dataclasses.fields(Config):
+        flag = "--" + f.name.replace("_", "-")
+        kind = hints[f.name]
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                                help=f.metadata["help"])
+        else:
+            base = next((a for a in typing.get_args(kind) if a is not type(None)), kind)  # Optional[int] -> int
+            parser.add_argument(flag, type=base, default=f.default, help=f.metadata["help"],
+                                metavar=f.name.upper())
+    args = parser.parse_args(argv)
+    try:
+        return make_config(**vars(args))
+    except ValueError as err:
+        parser.error(str(err))  # exits with status 2 and the usage line, like argparse's own errors
+
+
+def main(argv=None):
+    cfg = parse_args(argv)
+    record = run(**dataclasses.asdict(cfg))
+    return 0 if math.isfinite(record["test_loss"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""ddp_helpers.models, train and live: DDP gradients, checkpoints, a short run, the CLI, the live view."""
+import copy
+import io
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ddp_helpers import data, launch, live, models, train
+from ddp_helpers.launcher import Rendezvous, worker_env
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+needs_mini = pytest.mark.skipif(
+    not os.environ.get(data.ENV_VAR),
+    reason=f"{data.ENV_VAR} is not set: .ci/run extracts the offline CIFAR-10 subset and sets it")
+# A few seconds of CPU work on the mini set: 500 training images, a 0.01M-parameter net.
+TINY = dict(width=8, per_class=50, test_per_class=10, batch_size=25, lr=0.4, log_every=5, verbose=False)
+
+
+# ----------------------------------------------------------------- models
+def test_resnet18_has_the_cifar_stem():
+    model = models.build_model("resnet18")
+    assert model.conv1.kernel_size == (3, 3) and model.conv1.stride == (1, 1)
+    assert isinstance(model.maxpool, torch.nn.Identity)
+    assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+    assert 11.1e6 < models.count_parameters(model) < 11.2e6
+
+
+def test_fastnet_sizes():
+    assert 1.9e6 < models.count_parameters(models.FastNet(64)) < 2.1e6
+    small = models.build_model("fastnet", width=16)
+    assert small(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+    with pytest.raises(ValueError, match="unknown model 'vgg'"):
+        models.build_model("vgg")
+
+
+# ------------------------------------------------- gradients: by hand vs DDP
+def hand_averaged_vs_ddp():
+    """In each rank: the same model twice; one averages its gradients by hand, one is DDP."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    by_hand = models.FastNet(width=4)
+    with_ddp = DDP(copy.deepcopy(by_hand))
+    g = torch.Generator().manual_seed(100 + rank)  # every rank its own batch
+    images, labels = torch.randn(16, 3, 32, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
+
+    F.cross_entropy(by_hand(images), labels).backward()
+    local = [p.grad.clone() for p in by_hand.parameters()]
+    for p in by_hand.parameters():
+        dist.all_reduce(p.grad)          # SUM over ranks ...
+        p.grad /= world_size             # ... divided by the number of ranks: the mean
+    F.cross_entropy(with_ddp(images), labels).backward()
+
+    pairs = list(zip(by_hand.parameters(), with_ddp.module.parameters()))
+    return {"max_diff": max((a.grad - b.grad).abs().max().item() for a, b in pairs),
+            "changed_by_averaging": max((a.grad - l).abs().max().item() for (a, _), l in zip(pairs, local)),
+            "checksum": sum(b.grad.double().sum().item() for _, b in pairs)}
+
+
+def test_ddp_gradients_equal_hand_averaged_gradients():
+    results = launch(hand_averaged_vs_ddp, world_size=2, backend="gloo", quiet=True)
+    for r in results:
+        assert r["max_diff"] < 1e-6, r
+        assert r["changed_by_averaging"] > 1e-4, r  # the ranks' batches differ: averaging mattered
+    assert results[0]["checksum"] == pytest.approx(results[1]["checksum"], rel=1e-6)  # same on every rank
+
+
+# -------------------------------------------------------------- training
+@needs_mini
+def test_short_cpu_training_lowers_the_loss_and_shows_progress(capsys):
+    settings = dict(TINY, per_class=100, epochs=3)  # 1,000 images: 20 steps per epoch on each rank
+    record = live.train(world_size=2, backend="gloo", view="text", timeout=120, **settings)
+    printed = capsys.readouterr().out
+    steps = record["steps"]
+    assert len(steps) == record["total_steps"] == 60 and all(len(s["loss"]) == 2 for s in steps)
+    first = sum(sum(s["loss"]) for s in steps[:5]) / 10  # mean over 5 steps and both ranks
+    last = sum(sum(s["loss"]) for s in steps[-5:]) / 10
+    assert last < first - 0.25, (first, last)   # measured: 2.31 -> 1.88
+    assert record["test_accuracy"] > 0.25 and all(s["images_per_s"] > 0 for s in steps)  # chance: 0.1
+    assert [e["epoch"] for e in record["epochs"]] == [0, 1, 2] and "test_accuracy" in record["epochs"][0]
+    assert "step 60/60 (100%)" in printed and "epoch 3: test accuracy" in printed
+    assert train.METRICS_PREFIX not in printed  # metric lines are taken out of the output
+    figure = live.plot(record)
+    assert len(figure.axes) == 3 and live.png(figure)[:4] == b"\x89PNG"
+
+
+def train_then_resume(folder):
+    """Three epochs in one go, then again from the checkpoint written after the first."""
+    full = train.run(**TINY, epochs=3, checkpoint=f"{folder}/full-{{epoch}}.pt")
+    resumed = train.run(**TINY, epochs=3, resume=f"{folder}/full-0.pt", checkpoint=f"{folder}/resumed-{{epoch}}.pt")
+    return full, resumed
+
+
+@needs_mini
+def test_checkpoint_round_trip_and_identical_resume(tmp_path):
+    (full, resumed), _ = launch(train_then_resume, world_size=2, backend="gloo", args=(str(tmp_path),),
+                                timeout=120, quiet=True)
+    assert [s["step"] for s in resumed["steps"]] == list(range(11, 31))  # it went on after epoch 0
+    assert [s["loss"] for s in resumed["steps"]] == [s["loss"] for s in full["steps"][10:]]
+    assert resumed["test_accuracy"] == full["test_accuracy"]
+
+    a = torch.load(tmp_path / "full-2.pt", map_location="cpu", weights_only=True)
+    b = torch.load(tmp_path / "resumed-2.pt", map_location="cpu", weights_only=True)
+    assert a["model"].keys() == b["model"].keys()
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    momentum = lambda s: [v["momentum_buffer"] for v in s["optimizer"]["state"].values()]
+    assert all(torch.equal(x, y) for x, y in zip(momentum(a), momentum(b)))
+    assert (a["epoch"], a["step"], a["scheduler"]["last_epoch"]) == (b["epoch"], b["step"], 30) == (2, 30, 30)
+
+    model = models.build_model("fastnet", width=TINY["width"])  # a plain model takes the weights too
+    model.load_state_dict(a["model"])
+    assert torch.equal(model.state_dict()["0.weight"], a["model"]["0.weight"])
+
+
+# ---------------------------------------------------------- settings, CLI
+def test_unknown_or_bad_settings_are_clear_errors():
+    with pytest.raises(TypeError, match=r"unknown setting\(s\) \['lrr'\]"):
+        train.run(lrr=0.1)
+    with pytest.raises(ValueError, match="batch_size must be at least 1"):
+        train.make_config(batch_size=0)
+    with pytest.raises(ValueError, match="no checkpoint file"):
+        train.make_config(resume="/nonexistent/ckpt.pt")
+
+
+def test_cli_help_and_bad_arguments(capsys):
+    with pytest.raises(SystemExit) as done:
+        train.parse_args(["--help"])
+    assert done.value.code == 0
+    help_text = capsys.readouterr().out
+    assert "torchrun" in help_text and "--batch-size" in help_text and "--no-tta" in help_text
+    for argv, message in [(["--batch-size", "0"], "batch_size must be at least 1"),
+                          (["--model", "vgg"], "model must be one of"),
+                          (["--epochs", "two"], "invalid int value: 'two'")]:
+        with pytest.raises(SystemExit) as done:
+            train.parse_args(argv)
+        assert done.value.code == 2 and message in capsys.readouterr().err
+
+
+def run_like_torchrun(args, nproc=2, timeout=120):
+    """`python -m ddp_helpers.train` once per rank with the environment torchrun gives its
+    workers, the store hosted here on 127.0.0.1 (torchrun's own store listens on every interface)."""
+    with Rendezvous() as store:
+        procs = []
+        for rank in range(nproc):
+            env = dict(worker_env(nproc, store.port), RANK=str(rank), LOCAL_RANK=str(rank), PYTHONPATH=REPO)
+            procs.append(subprocess.Popen([sys.executable, "-m", "ddp_helpers.train", *args], env=env, cwd=REPO,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        try:
+            outputs = [p.communicate(timeout=timeout) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outputs)]
+
+
+CLI_ARGS = ["--width", "8", "--per-class", "20", "--test-per-class", "5", "--epochs", "1", "--batch-size", "20",
+            "--log-every", "1"]
+
+
+@needs_mini
+def test_cli_under_torchrun_environment():
+    (rc0, out0, err0), (rc1, out1, err1) = run_like_torchrun(CLI_ARGS)
+    assert rc0 == 0 and rc1 == 0, err0 + err1
+    assert "fastnet on 2 rank(s), cpu, gloo: 5 steps/epoch" in out0 and "step 5/5" in out0
+    assert "done: test accuracy" in out0 and out1 == ""  # only rank 0 prints
+
+
+@needs_mini
+@pytest.mark.skipif(os.environ.get("TRAIN_TEST_TORCHRUN") != "1",
+                    reason="real torchrun's rendezvous store listens on every interface; set TRAIN_TEST_TORCHRUN=1")
+def test_cli_under_real_torchrun():
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           "-m", "ddp_helpers.train", *CLI_ARGS], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "done: test accuracy" in done.stdout
+
+
+# ------------------------------------------------------------- live view
+def test_metrics_filter_takes_out_marked_lines_only():
+    out, messages = io.StringIO(), []
+    tap = live.MetricsFilter(out, messages.append)
+    tap.write("[rank 0] hello\n[rank 0] " + train.METRICS_PREFIX + '{"kind": "end", ')
+    tap.write('"test_accuracy": 0.5, "test_loss": 1.0}\n[rank 1] bye')
+    tap.flush()
+    assert out.getvalue() == "[rank 0] hello\n[rank 1] bye"
+    assert messages == [{"kind": "end", "test_accuracy": 0.5, "test_loss": 1.0}]
