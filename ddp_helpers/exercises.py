@@ -186,3 +186,30 @@ def check_busbw(fn):
             problems.append(f"{collective}, {nbytes} B in {time_us} µs on {n} ranks: "
                             f"expected {want:.4f} GB/s, got {got!r}{hint}")
     return Verdict("my_busbw", problems)
+
+
+def check_average_gradients(fn):
+    """Notebook 05: `fn(model)` replaces every gradient by its mean over the ranks. Checked by
+    training on shards with it and comparing with one process on the whole batches."""
+    from .data_parallel import hand_averaged_training, single_process_training
+    _, want = single_process_training(steps=3)
+    problems = []
+    for world_size in (2, 4):
+        try:
+            results = launch(hand_averaged_training, world_size, args=(3,), kwargs={"average": fn},
+                             timeout=30, quiet=True)
+        except WorkerError as err:
+            if err.exc_type == "NotImplementedError":
+                return Verdict("average_gradients", [f"{fn.__name__} still raises NotImplementedError: fill in the stub"])
+            problems.append(f"world_size={world_size}: {str(err).splitlines()[0][:300]}")
+            continue
+        spread = max((params - results[0][1]).abs().max().item() for _, params in results)
+        for rank, (_, params) in enumerate(results):
+            gap = (params - want).abs().max().item()
+            if gap > 1e-5:
+                why = ("ranks disagree with each other: were all gradients all-reduced?" if spread > 1e-6 else
+                       "ranks agree but differ from one process: sum instead of mean?")
+                problems.append(f"world_size={world_size}, rank {rank}: parameters after 3 steps differ from "
+                                f"one process by {gap:.2e} ({why})")
+                break
+    return Verdict("average_gradients", problems)

@@ -131,3 +131,24 @@ def latency_plot(rows, label, ax=None):
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc="upper left", fontsize=9)
     return ax
+
+
+def overlap_timeline(timelines):
+    """DDP's all-reduces against the backward pass, one row per bucket size
+    (the dicts `data_parallel.ddp_timeline` returns)."""
+    fig, ax = plt.subplots(figsize=(9, 0.9 + 0.8 * len(timelines)))
+    for row, tl in enumerate(timelines):
+        y = row * 2
+        ax.broken_barh([(0, tl["backward_ms"])], (y + 0.55, 0.8), color="tab:blue", alpha=0.6)
+        ax.broken_barh([(s, max(e - s, 0.05)) for s, e in tl["all_reduces_ms"]], (y - 0.35, 0.8),
+                       color="tab:orange", edgecolor="black", linewidth=0.5)
+    ax.set_yticks([row * 2 + 0.5 for row in range(len(timelines))],
+                  [f"bucket_cap_mb={tl['bucket_cap_mb']:g}\n{len(tl['all_reduces_ms'])} all-reduce(s)"
+                   for tl in timelines])
+    ax.set_xlabel("ms since backward started")
+    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color="tab:blue", alpha=0.6),
+                       plt.Rectangle((0, 0), 1, 1, color="tab:orange")],
+              labels=["backward (computing gradients)", "all-reduce of a bucket"], loc="upper right", fontsize=9)
+    ax.grid(True, axis="x", alpha=0.3)
+    fig.tight_layout()
+    plt.show()
