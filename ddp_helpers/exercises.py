@@ -213,3 +213,24 @@ def check_average_gradients(fn):
                                 f"one process by {gap:.2e} ({why})")
                 break
     return Verdict("average_gradients", problems)
+
+
+_STEP_CASES = [(10_000, 128, 1), (10_000, 128, 2), (998, 111, 3), (50_000, 256, 8), (1_000, 64, 7)]
+
+
+def check_steps_per_epoch(fn):
+    """Notebook 06: `fn(n_images, batch_per_rank, world_size)` is the number of training steps
+    per epoch each rank takes with DistributedSampler and DeviceLoader (train=True)."""
+    from .data import DeviceLoader, Split
+    import torch
+    problems = []
+    for n, batch, world_size in _STEP_CASES:
+        split = Split(torch.zeros(n, 1, 1, 1, dtype=torch.uint8), torch.zeros(n, dtype=torch.int64))
+        want = len(DeviceLoader(split, batch, train=True, rank=0, world_size=world_size))
+        try:
+            got = fn(n, batch, world_size)
+        except NotImplementedError:
+            return Verdict("steps_per_epoch", [f"{fn.__name__} still raises NotImplementedError: fill in the stub"])
+        if got != want:
+            problems.append(f"{n} images, {batch} per rank, {world_size} ranks: expected {want} steps, got {got!r}")
+    return Verdict("steps_per_epoch", problems)

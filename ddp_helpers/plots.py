@@ -152,3 +152,16 @@ def overlap_timeline(timelines):
     ax.grid(True, axis="x", alpha=0.3)
     fig.tight_layout()
     plt.show()
+
+
+def image_grid(images, labels, class_names, columns=10):
+    """A grid of uint8 (N, 3, H, W) images with their class names."""
+    rows = -(-len(images) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(1.1 * columns, 1.25 * rows), squeeze=False)
+    for ax in axes.flat:
+        ax.axis("off")
+    for ax, image, label in zip(axes.flat, images, labels):
+        ax.imshow(image.permute(1, 2, 0).numpy())
+        ax.set_title(class_names[int(label)], fontsize=8)
+    fig.tight_layout()
+    plt.show()

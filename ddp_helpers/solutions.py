@@ -88,3 +88,10 @@ def average_gradients(model):
     for p in model.parameters():
         dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
         p.grad /= dist.get_world_size()
+
+
+def steps_per_epoch(n_images, batch_per_rank, world_size):
+    """Notebook 06: DistributedSampler gives each rank ceil(n / world_size) indices (padding by
+    repeating a few), and the training loader drops the incomplete last batch."""
+    per_rank = -(-n_images // world_size)
+    return per_rank // batch_per_rank

@@ -90,3 +90,11 @@ def test_busbw_checker():
     assert "all_reduce, 1073741824 B in 3273.0 µs on 8 ranks: expected 574.1058 GB/s" in repr(verdict)
     assert "that is the algbw" in repr(verdict)
     assert not exercises.check_busbw(still_a_stub)
+
+
+def test_steps_per_epoch_checker():
+    assert exercises.check_steps_per_epoch(solutions.steps_per_epoch)
+    verdict = exercises.check_steps_per_epoch(lambda n, b, w: n // (b * w))  # forgets the padding
+    assert not verdict and "998 images, 111 per rank, 3 ranks: expected 3 steps, got 2" in repr(verdict)
+    verdict = exercises.check_steps_per_epoch(lambda n, b, w: n // b)  # forgets the ranks
+    assert not verdict and "10000 images, 128 per rank, 2 ranks: expected 39 steps, got 78" in repr(verdict)
