@@ -12,15 +12,22 @@ torchrun's rendezvous store listens on every network interface, not only on
 private network namespace of their own, in which loopback is the only
 interface: nothing they open can be reached from outside, and any port is free.
 Elsewhere they run on the machine itself, as torchrun normally does.
+
+Nothing outlives the call: on timeout, error or interrupt every agent and every
+worker is ended (found by PID, through the process tree: torchrun starts each
+worker in a session of its own), and the agents end themselves if the process
+that started them (the notebook's kernel) dies.
 """
 import dataclasses
 import os
+import re
 import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 PRIVATE_PORT = 29400  # inside a fresh network namespace, nothing else can hold it
 
@@ -30,10 +37,26 @@ class NodesResult:
     returncodes: list   # one per agent (node)
     logs: list          # what each agent and its workers printed
     private_network: bool
+    command: list = dataclasses.field(default_factory=list)  # what each agent ran
+
+    @property
+    def torchrun(self):
+        """The agents' command as you would type it: `torchrun --nnodes=2 ... -m module ...`."""
+        args = self.command[3:] if self.command[1:3] == ["-m", "torch.distributed.run"] else self.command
+        return shlex.join(["torchrun", *args])
 
     @property
     def ok(self):
         return all(code == 0 for code in self.returncodes)
+
+
+_LOG_PREFIX = re.compile(r"^[DIWEF]\d{4} [\d:.]+ \d+ \S+:\d+\] ")
+
+
+def plain(log):
+    """The lines of an agent's log, without the prefix of torchrun's own messages
+    (level, date, time, PID, source file and line): "I1130 12:52:37.48 3357 api.py:553] x" -> "x"."""
+    return [_LOG_PREFIX.sub("", line) for line in log.splitlines()]
 
 
 def private_network_available():
@@ -44,52 +67,142 @@ def private_network_available():
     return probe.returncode == 0
 
 
-def torchrun_args(nnodes, nproc_per_node, endpoint, max_restarts=0, run_id="notebook"):
-    """The torchrun options for one agent of a multi-node job (the same on every node)."""
-    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
-            f"--nproc-per-node={nproc_per_node}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
-            f"--rdzv-id={run_id}", f"--max-restarts={max_restarts}", "--monitor-interval=0.5"]
+def torchrun_args(nnodes, nproc_per_node, endpoint, max_restarts=0, run_id="notebook", standalone=False):
+    """The torchrun options for one agent of a multi-node job (the same on every node).
+    standalone: one node, with its own rendezvous on a free local port (`--standalone`)."""
+    where = (["--standalone"] if standalone else
+             [f"--nnodes={nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}"])
+    return [sys.executable, "-m", "torch.distributed.run", *where, f"--nproc-per-node={nproc_per_node}",
+            f"--max-restarts={max_restarts}", "--monitor-interval=0.5"]
 
 
-def run_nodes(program, nnodes=2, nproc_per_node=2, max_restarts=0, timeout=180, env=None):
+def run_nodes(program, nnodes=2, nproc_per_node=2, max_restarts=0, timeout=180, env=None, standalone=False):
     """Start `nnodes` torchrun agents, each running `program` (e.g. ["-m", "ddp_helpers.train", ...])
-    with `nproc_per_node` workers; wait for all of them; return their exit codes and output."""
+    with `nproc_per_node` workers; wait for all of them; return their exit codes and output.
+
+    max_restarts: how often an agent restarts its whole worker group after a worker fails.
+    standalone:   `torchrun --standalone` (one node, nnodes must be 1).
+    timeout:      seconds; then every agent and worker is ended and NodesTimeout raised
+                  (its `logs` hold what the nodes printed until then).
+    env:          extra environment variables for the agents and their workers.
+    """
+    if standalone and nnodes != 1:
+        raise ValueError(f"standalone means one node: nnodes must be 1, got {nnodes}")
     private = private_network_available()
     port = PRIVATE_PORT if private else _free_port()
-    agent = torchrun_args(nnodes, nproc_per_node, f"127.0.0.1:{port}", max_restarts) + list(program)
+    agent = torchrun_args(nnodes, nproc_per_node, f"127.0.0.1:{port}", max_restarts,
+                          standalone=standalone) + list(program)
     logdir = tempfile.mkdtemp(prefix="ddp_helpers-nodes-")
     logs = [os.path.join(logdir, f"node{n}.log") for n in range(nnodes)]
     codes = [os.path.join(logdir, f"node{n}.code") for n in range(nnodes)]
     # One shell starts every agent (so they share the namespace) and records each exit code.
-    lines = ["ip link set lo up" if private else ":"]
+    # A watchdog ends them all (SIGTERM: each agent then stops its workers) if we die.
+    lines = ["ip link set lo up" if private else ":",
+             f"(while kill -0 {os.getpid()} 2>/dev/null; do sleep 1; done; kill -TERM 0) & watchdog=$!",
+             "agents="]
     for n in range(nnodes):
-        lines.append(f"({shlex.join(agent)} > {shlex.quote(logs[n])} 2>&1; echo $? > {shlex.quote(codes[n])}) &")
-    lines.append("wait")
+        # TMPDIR: torchrun's own log folders land in ours, which we remove at the end.
+        lines.append(f"(TMPDIR={shlex.quote(logdir)} {shlex.join(agent)} > {shlex.quote(logs[n])} 2>&1; "
+                     f"echo $? > {shlex.quote(codes[n])}) &")
+        lines.append('agents="$agents $!"')
+    lines += ["wait $agents", "kill $watchdog 2>/dev/null", "exit 0"]
     script = "\n".join(lines)
     command = ["unshare", "-rn", "sh", "-c", script] if private else ["sh", "-c", script]
     full_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
     # A session of its own: on timeout or interrupt we end the agents and their workers, and only them.
     shell = subprocess.Popen(command, env=full_env, start_new_session=True)
     try:
-        shell.wait(timeout=timeout)
-    except BaseException:  # timeout, KeyboardInterrupt
-        _end_session(shell)
-        raise
-    return NodesResult(returncodes=[_read_code(c) for c in codes], logs=[_read(p) for p in logs],
-                       private_network=private)
-
-
-def _end_session(shell):
-    for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
-            os.killpg(shell.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            shell.wait(timeout=3)
-            return
+            shell.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            continue
+            end_all(shell)
+            raise NodesTimeout(timeout, [_read(p) for p in logs]) from None
+        except BaseException:  # KeyboardInterrupt (the notebook's Interrupt button)
+            end_all(shell)
+            raise
+        return NodesResult(returncodes=[_read_code(c) for c in codes], logs=[_read(p) for p in logs],
+                           private_network=private, command=agent)
+    finally:
+        shutil.rmtree(logdir, ignore_errors=True)
+
+
+class NodesTimeout(TimeoutError):
+    """The agents did not finish in time; all of them and their workers were ended.
+    `logs`: what each node printed until then."""
+
+    def __init__(self, timeout, logs):
+        tails = "".join(f"\n--- node {n}, last lines ---\n" + "\n".join(log.splitlines()[-5:])
+                        for n, log in enumerate(logs))
+        super().__init__(f"torchrun agents still running after {timeout:g} s: every agent and worker "
+                         f"was ended.{tails}")
+        self.timeout, self.logs = timeout, logs
+
+
+def end_all(shell, grace_s=2.0):
+    """End the shell, its agents and all their workers, and wait until they are gone.
+
+    torchrun starts each worker in a session of its own, so signalling our session would
+    miss them: we follow the process tree down from the shell instead. First SIGTERM to
+    all (an agent then stops its workers itself); after `grace_s`, whatever is left is
+    frozen with SIGSTOP (a stopped agent cannot start new workers) and killed.
+    """
+    if not os.path.isdir("/proc"):  # no process tree to follow (macOS): our session only
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            _signal([shell.pid], sig, group=True)
+            try:
+                return shell.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                continue
+        return
+    known = {shell.pid} | descendants({shell.pid})
+    _signal(known, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(map(_alive, known)):
+        known |= descendants(known)
+        time.sleep(0.05)
+    while True:  # freeze what is left, and what it started meanwhile
+        left = {pid for pid in known if _alive(pid)}
+        _signal(left, signal.SIGSTOP)
+        new = descendants(left) - known
+        if not new:
+            break
+        known |= new
+    _signal(left, signal.SIGKILL)
+    shell.wait()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(map(_alive, known)):
+        time.sleep(0.02)
+
+
+def descendants(pids):
+    """Every process whose parent, grandparent, ... is in `pids` (read from /proc)."""
+    children = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            stat = _read(f"/proc/{name}/stat")
+            if stat:
+                children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(name))
+    found, todo = set(), list(pids)
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def _alive(pid):
+    """Running (a zombie is dead: it only waits for its parent to read its exit code)."""
+    stat = _read(f"/proc/{pid}/stat")
+    return bool(stat) and stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _signal(pids, sig, group=False):
+    for pid in pids:
+        try:
+            (os.killpg if group else os.kill)(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def _free_port():
@@ -103,7 +216,7 @@ def _read(path):
     try:
         with open(path, errors="replace") as f:
             return f.read()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # a process that ended meanwhile
         return ""
 
 

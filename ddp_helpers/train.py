@@ -4,6 +4,9 @@ From a notebook (the process group is already there):
     record = launch(train.run, world_size=2, backend="gloo", kwargs=dict(epochs=2, width=16))[0]
 From a shell:
     torchrun --standalone --nproc-per-node=2 -m ddp_helpers.train --epochs 2 --width 16
+Surviving a crash: checkpoint every epoch, and let torchrun restart the group, which resumes
+    torchrun --standalone --nproc-per-node=2 --max-restarts=1 -m ddp_helpers.train \
+        --checkpoint ckpt/epoch-{epoch}.pt --resume auto --fail-at-step 30 --fail-rank 1
 In one plain process (a world of one): python -m ddp_helpers.train --epochs 1
 
 What each rank does: join the process group, build the same model from the same seed,
@@ -13,9 +16,12 @@ set; metrics are combined across ranks with collectives. Every rank returns the 
 """
 import argparse
 import dataclasses
+import glob
 import json
 import math
 import os
+import re
+import signal
 import sys
 import time
 import typing
@@ -61,7 +67,11 @@ class Config:
     log_every: int = option(10, "gather per-rank losses and throughput every N steps")
     checkpoint: Optional[str] = option(None, "after each epoch, rank 0 saves the training state to this "
                                              "file ({epoch} in the name: one file per epoch)")
-    resume: Optional[str] = option(None, "continue from a checkpoint written by --checkpoint")
+    resume: Optional[str] = option(None, "continue from a checkpoint written by --checkpoint; auto: from "
+                                         "the newest one --checkpoint names, if any (for torchrun restarts)")
+    fail_at_step: Optional[int] = option(None, "fault injection: at this step rank --fail-rank kills itself "
+                                               "(SIGKILL), in the first attempt only (TORCHELASTIC_RESTART_COUNT=0)")
+    fail_rank: int = option(0, "the rank that --fail-at-step kills")
     verbose: bool = option(True, "rank 0 prints progress")
     live: bool = option(False, "rank 0 prints machine-readable metric lines (for ddp_helpers.live)")
 
@@ -93,12 +103,15 @@ def check_config(cfg):
     need(0 <= cfg.crop_pad <= 16, f"crop_pad must be between 0 and 16 pixels, got {cfg.crop_pad}")
     need(cfg.device in ("auto", "cpu", "cuda"), f"device must be auto, cpu or cuda, got {cfg.device!r}")
     need(cfg.device != "cuda" or torch.cuda.is_available(), "device='cuda' but torch sees no GPU here")
-    for name in ("per_class", "test_per_class", "max_steps"):
+    for name in ("per_class", "test_per_class", "max_steps", "fail_at_step"):
         value = getattr(cfg, name)
         need(value is None or value >= 1, f"{name} must be at least 1 (or None for all), got {value}")
     need(cfg.eval_every >= 0, f"eval_every must be >= 0, got {cfg.eval_every}")
     need(cfg.log_every >= 1, f"log_every must be at least 1, got {cfg.log_every}")
-    need(cfg.resume is None or os.path.isfile(cfg.resume), f"no checkpoint file at resume={cfg.resume!r}")
+    need(cfg.resume in (None, "auto") or os.path.isfile(cfg.resume), f"no checkpoint file at resume={cfg.resume!r}")
+    need(cfg.resume != "auto" or cfg.checkpoint, "resume='auto' looks for the files that checkpoint names: "
+                                                 "set checkpoint too")
+    need(cfg.fail_rank >= 0, f"fail_rank must be >= 0, got {cfg.fail_rank}")
     need(cfg.data is None or os.path.isdir(cfg.data), f"data folder {cfg.data!r} does not exist")
 
 
@@ -210,6 +223,8 @@ def train_one_epoch(t, epoch, record):
         t.optimizer.step()
         t.scheduler.step()
         t.step += 1
+        if t.step == t.cfg.fail_at_step:
+            inject_fault(t)
         losses.append(loss.detach())
         finished = t.step == t.total_steps
         if t.step % t.cfg.log_every == 0 or i == len(t.train_loader) or finished:
@@ -218,6 +233,20 @@ def train_one_epoch(t, epoch, record):
         if finished:
             break
     return time.perf_counter() - epoch_start
+
+
+def inject_fault(t):
+    """--fail-at-step: rank --fail-rank dies here as a crashed machine's process would: SIGKILL,
+    no exception, no cleanup, no goodbye to its peers. Only in the first attempt, so that the
+    group torchrun restarts (TORCHELASTIC_RESTART_COUNT=1, 2, ...) can finish the run."""
+    if t.rank == t.cfg.fail_rank and restart_count() == 0:
+        say(f"rank {t.rank}: injected fault at step {t.step}: SIGKILL to myself")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def restart_count():
+    """How many times torchrun has restarted the worker group (0 outside torchrun)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def log_steps(t, epoch, losses, lrs, window_start, record):
@@ -243,9 +272,8 @@ def log_steps(t, epoch, losses, lrs, window_start, record):
         emit({"kind": "steps", "steps": steps})
     if t.rank == 0 and t.cfg.verbose:
         last = table[:, -2]
-        print(f"step {t.step}/{t.total_steps}  epoch {epoch + 1}  loss {last.mean():.3f} "
-              f"(per rank: {', '.join(f'{x:.3f}' for x in last.tolist())})  {images_per_s:,.0f} images/s",
-              flush=True)
+        say(f"step {t.step}/{t.total_steps}  epoch {epoch + 1}  loss {last.mean():.3f} "
+            f"(per rank: {', '.join(f'{x:.3f}' for x in last.tolist())})  {images_per_s:,.0f} images/s")
 
 
 @torch.no_grad()
@@ -288,6 +316,34 @@ def save_checkpoint(t, path, epoch):
     barrier(t)
 
 
+def newest_checkpoint(pattern):
+    """What --resume auto continues from: of the files `pattern` names ({epoch} in it, or one
+    fixed name), the one with the highest epoch; None when there is none yet."""
+    parts = re.split(r"\{epoch(?::[^}]*)?\}", pattern)
+    if len(parts) == 1:
+        return pattern if os.path.isfile(pattern) else None
+    number = re.compile(r"(\d+)".join(map(re.escape, parts)) + "$")
+    found = {}
+    for path in glob.glob("*".join(map(glob.escape, parts))):
+        match = number.match(path)
+        if match:
+            found[int(match.group(1))] = path
+    return found[max(found)] if found else None
+
+
+def find_resume(t):
+    """The checkpoint to load, or None. For --resume auto, rank 0 looks and tells the others,
+    so every rank loads the same file (or none)."""
+    path = t.cfg.resume
+    if path == "auto":
+        choice = [newest_checkpoint(t.cfg.checkpoint) if t.rank == 0 else None]
+        dist.broadcast_object_list(choice, src=0)
+        path = choice[0]
+        if t.rank == 0 and t.cfg.verbose and path is None:
+            say("resume auto: no checkpoint yet, starting from scratch")
+    return path
+
+
 def load_checkpoint(t, path):
     """Every rank reads the checkpoint onto its own device (map_location: tensors saved
     from cuda:0 would otherwise all land on cuda:0) and continues after its epoch."""
@@ -326,11 +382,15 @@ def train(cfg):
         torch.backends.cudnn.benchmark = True  # pick the fastest conv algorithms for these shapes
         torch.cuda.reset_peak_memory_stats(device)
     t = build(cfg, device)
-    if cfg.resume:
-        load_checkpoint(t, cfg.resume)
+    if cfg.fail_at_step is not None and cfg.fail_rank >= t.world_size:
+        raise ValueError(f"fail_rank={cfg.fail_rank} but there are only {t.world_size} rank(s)")
+    resume = find_resume(t)
+    if resume:
+        load_checkpoint(t, resume)
     record = {"config": dataclasses.asdict(cfg), "device": str(device), "world_size": t.world_size,
               "backend": dist.get_backend(), "total_steps": t.total_steps, "steps": [], "epochs": [],
-              "train_seconds": 0.0}
+              "train_seconds": 0.0, "resumed_from": resume, "start_step": t.step,
+              "restart_count": restart_count()}
     announce(t)
 
     synchronize(t)  # start the clock together, with nothing left queued on the GPU
@@ -362,8 +422,8 @@ def train(cfg):
     if t.rank == 0 and cfg.live:
         emit({"kind": "end", "test_accuracy": record["test_accuracy"], "test_loss": record["test_loss"]})
     if t.rank == 0 and cfg.verbose:
-        print(f"done: test accuracy {record['test_accuracy']:.2%}, test loss {record['test_loss']:.3f}, "
-              f"{record['train_seconds']:.1f} s of training", flush=True)
+        say(f"done: test accuracy {record['test_accuracy']:.2%}, test loss {record['test_loss']:.3f}, "
+            f"{record['train_seconds']:.1f} s of training")
     return record
 
 
@@ -389,17 +449,22 @@ def announce(t):
         emit({"kind": "start", "total_steps": t.total_steps, "start_step": t.step, "epochs": t.cfg.epochs,
               "world_size": t.world_size, "model": t.cfg.model, "device": t.device.type})
     if t.rank == 0 and t.cfg.verbose:
-        print(f"{t.cfg.model} on {t.world_size} rank(s), {t.device.type}, {dist.get_backend()}: "
-              f"{len(t.train_loader)} steps/epoch of {t.cfg.batch_size} images per rank", flush=True)
+        say(f"{t.cfg.model} on {t.world_size} rank(s), {t.device.type}, {dist.get_backend()}: "
+            f"{len(t.train_loader)} steps/epoch of {t.cfg.batch_size} images per rank")
+        if restart_count():
+            say(f"restarted by torchrun: TORCHELASTIC_RESTART_COUNT={restart_count()}")
+        if t.step:
+            where = f"epoch {t.start_epoch + 1}" if t.step < t.total_steps else "nothing left to train"
+            say(f"resumed at step {t.step}/{t.total_steps} ({where})")
 
 
 def report_epoch(t, summary):
     if t.rank == 0 and t.cfg.live:
         emit({"kind": "epoch", **summary})
     if t.rank == 0 and t.cfg.verbose:
-        print(f"epoch {summary['epoch'] + 1}/{t.cfg.epochs}  train loss {summary['train_loss']:.3f}  "
-              f"test loss {summary['test_loss']:.3f}  test accuracy {summary['test_accuracy']:.2%}  "
-              f"{summary['images_per_s']:,.0f} images/s", flush=True)
+        say(f"epoch {summary['epoch'] + 1}/{t.cfg.epochs}  train loss {summary['train_loss']:.3f}  "
+            f"test loss {summary['test_loss']:.3f}  test accuracy {summary['test_accuracy']:.2%}  "
+            f"{summary['images_per_s']:,.0f} images/s")
 
 
 def gather_floats(value, device):
@@ -411,7 +476,14 @@ def gather_floats(value, device):
 
 
 def emit(message):
-    print(METRICS_PREFIX + json.dumps(message), flush=True)
+    say(METRICS_PREFIX + json.dumps(message))
+
+
+def say(line):
+    """Print one line with a single write. torchrun runs workers unbuffered (python -u), where print()
+    writes the text and the newline separately, and lines of ranks sharing a log could merge."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 # -------------------------------------------------------------------- CLI

@@ -98,3 +98,25 @@ def test_steps_per_epoch_checker():
     assert not verdict and "998 images, 111 per rank, 3 ranks: expected 3 steps, got 2" in repr(verdict)
     verdict = exercises.check_steps_per_epoch(lambda n, b, w: n // b)  # forgets the ranks
     assert not verdict and "10000 images, 128 per rank, 2 ranks: expected 39 steps, got 78" in repr(verdict)
+
+
+def test_torchrun_command_checker():
+    assert exercises.check_torchrun_command(solutions.torchrun_command)
+    stub = exercises.check_torchrun_command("torchrun ...")
+    assert not stub and "still the stub" in repr(stub)
+    per_job = exercises.check_torchrun_command(
+        "torchrun --nnodes=2 --node-rank=0 --nproc-per-node=8 --rdzv-backend=c10d --rdzv-endpoint=node01:29500 "
+        "--max-restarts=3 -m ddp_helpers.train --checkpoint ckpt/epoch-{epoch}.pt --resume auto")
+    assert not per_job and len(per_job.problems) == 2
+    assert "--nproc-per-node should be 4 (one process per GPU), got 8: it counts the processes on each node" in repr(per_job)
+    assert "leave out --node-rank: with c10d torchrun ignores it" in repr(per_job)
+    standalone = exercises.check_torchrun_command("torchrun --standalone --nproc-per-node=4 -m ddp_helpers.train")
+    assert "--standalone is for one node only" in repr(standalone) and "--rdzv-backend should be c10d" in repr(standalone)
+    misplaced = exercises.check_torchrun_command(
+        "torchrun --nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint=node01:29500 --max-restarts=3 "
+        "--resume auto -m ddp_helpers.train --checkpoint ckpt/epoch-{epoch}.pt")
+    assert "unrecognized arguments: --resume" in repr(misplaced)
+    old = exercises.check_torchrun_command("python -m torch.distributed.launch --nproc_per_node=4 train.py")
+    assert not old and "deprecated: use torchrun" in repr(old)
+    rank_list = exercises.check_torchrun_command("RANK=0,1 torchrun --nproc-per-node=2 -m ddp_helpers.train")
+    assert "torchrun sets RANK" in repr(rank_list)
