@@ -427,17 +427,9 @@ def write_csv(rows, path):
 
 def read_csv(path):
     """Rows from `write_csv`, with numbers and True/False turned back into Python values."""
-    def value(text):
-        if text in ("True", "False"):
-            return text == "True"
-        for kind in (int, float):
-            try:
-                return kind(text)
-            except ValueError:
-                pass
-        return text
+    from .reference import parse_value
     with open(path, newline="") as f:
-        return [{k: value(v) for k, v in row.items()} for row in csv.DictReader(f)]
+        return [{k: parse_value(v) for k, v in row.items()} for row in csv.DictReader(f)]
 
 
 # ------------------------------------------------------------- command line

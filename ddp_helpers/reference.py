@@ -14,7 +14,7 @@ REFERENCE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__f
 def load(name, folder=REFERENCE_DIR):
     """Rows of `<name>.csv` (numbers converted) and the metadata of `<name>.json`."""
     with open(os.path.join(folder, f"{name}.csv"), newline="") as f:
-        rows = [{k: _number(v) for k, v in row.items()} for row in csv.DictReader(f)]
+        rows = [{k: parse_value(v) for k, v in row.items()} for row in csv.DictReader(f)]
     with open(os.path.join(folder, f"{name}.json")) as f:
         meta = json.load(f)
     return rows, meta
@@ -41,7 +41,10 @@ def label(meta):
     return f"{', '.join(parts)} (stored, measured {meta.get('date', '?')})"
 
 
-def _number(text):
+def parse_value(text):
+    """A CSV cell back to a Python value: int, float, True/False, or the text itself."""
+    if text in ("True", "False"):
+        return text == "True"
     for kind in (int, float):
         try:
             return kind(text)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from ddp_helpers import WorkerError, bench, launch, machine
 from ddp_helpers import bench_plots as plots
-from ddp_helpers.launcher import Rendezvous, worker_env
+from like_torchrun import run_module_like_torchrun
 
 matplotlib.use("Agg")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -214,23 +214,7 @@ def test_gloo_on_cuda_tensors():
 
 # ---------------------------------------------------------------- the CLI
 def run_like_torchrun(args, nproc=2, timeout=60):
-    """Start `python -m ddp_helpers.bench` once per rank with the environment torchrun gives
-    its workers, the store hosted here on 127.0.0.1 (torchrun's own store would listen on
-    every interface). Returns each rank's completed process."""
-    with Rendezvous() as store:
-        procs = []
-        for rank in range(nproc):
-            env = dict(worker_env(nproc, store.port), RANK=str(rank), LOCAL_RANK=str(rank), PYTHONPATH=REPO)
-            procs.append(subprocess.Popen([sys.executable, "-m", "ddp_helpers.bench", *args], env=env, cwd=REPO,
-                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        try:
-            outputs = [p.communicate(timeout=timeout) for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outputs)]
+    return run_module_like_torchrun("ddp_helpers.bench", args, nproc, timeout)
 
 
 def check_table(stdout, sizes):

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_helpers import data, launch, live, models, train
-from ddp_helpers.launcher import Rendezvous, worker_env
+from like_torchrun import run_module_like_torchrun
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_mini = pytest.mark.skipif(
@@ -142,22 +142,7 @@ def test_cli_help_and_bad_arguments(capsys):
 
 
 def run_like_torchrun(args, nproc=2, timeout=120):
-    """`python -m ddp_helpers.train` once per rank with the environment torchrun gives its
-    workers, the store hosted here on 127.0.0.1 (torchrun's own store listens on every interface)."""
-    with Rendezvous() as store:
-        procs = []
-        for rank in range(nproc):
-            env = dict(worker_env(nproc, store.port), RANK=str(rank), LOCAL_RANK=str(rank), PYTHONPATH=REPO)
-            procs.append(subprocess.Popen([sys.executable, "-m", "ddp_helpers.train", *args], env=env, cwd=REPO,
-                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        try:
-            outputs = [p.communicate(timeout=timeout) for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outputs)]
+    return run_module_like_torchrun("ddp_helpers.train", args, nproc, timeout)
 
 
 CLI_ARGS = ["--width", "8", "--per-class", "20", "--test-per-class", "5", "--epochs", "1", "--batch-size", "20",
