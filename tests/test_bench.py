@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddp_helpers import WorkerError, bench, launch, machine
+from ddp_helpers import WorkerError, bench, launch, machine, torchrun
 from ddp_helpers import bench_plots as plots
 from like_torchrun import run_module_like_torchrun
 
@@ -246,14 +246,14 @@ def test_cli_with_nccl_and_cuda_graph_under_torchrun_environment():
     assert "CUDA graph on" in out0 and "NCCL" in out0
 
 
-@pytest.mark.skipif(os.environ.get("BENCH_TEST_TORCHRUN") != "1",
-                    reason="real torchrun's rendezvous store listens on every interface; set BENCH_TEST_TORCHRUN=1")
+@pytest.mark.skipif(not torchrun.private_network_available(),
+                    reason="real torchrun's store listens on every interface: run only in a private network namespace")
 def test_cli_under_real_torchrun():
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           "-m", "ddp_helpers.bench", "-b", "8", "-e", "1K", "-f", "8", "-n", "2", "-w", "1"],
-                          cwd=REPO, capture_output=True, text=True, timeout=90)
-    assert done.returncode == 0, done.stderr
-    check_table(done.stdout, [8, 64, 512])
+    done = torchrun.run_nodes(["-m", "ddp_helpers.bench", "-b", "8", "-e", "1K", "-f", "8", "-n", "2", "-w", "1"],
+                              nnodes=1, nproc_per_node=2, standalone=True, timeout=120)
+    assert done.ok, done.logs[0]
+    table = [line for line in done.logs[0].splitlines() if re.match(r"\s*(#|\d)", line)]  # not torchrun's banner
+    check_table("\n".join(table), [8, 64, 512])
 
 
 def test_cli_without_torchrun_starts_its_own_ranks(capsys):

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_helpers import data, launch, live, models, train
+from ddp_helpers import data, launch, live, models, torchrun, train
 from like_torchrun import run_module_like_torchrun
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -158,13 +158,13 @@ def test_cli_under_torchrun_environment():
 
 
 @needs_mini
-@pytest.mark.skipif(os.environ.get("TRAIN_TEST_TORCHRUN") != "1",
-                    reason="real torchrun's rendezvous store listens on every interface; set TRAIN_TEST_TORCHRUN=1")
+@pytest.mark.skipif(not torchrun.private_network_available(),
+                    reason="real torchrun's store listens on every interface: run only in a private network namespace")
 def test_cli_under_real_torchrun():
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           "-m", "ddp_helpers.train", *CLI_ARGS], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert "done: test accuracy" in done.stdout
+    done = torchrun.run_nodes(["-m", "ddp_helpers.train", *CLI_ARGS], nnodes=1, nproc_per_node=2,
+                              standalone=True, timeout=180)
+    assert done.ok, done.logs[0]
+    assert "done: test accuracy" in done.logs[0]
 
 
 # ------------------------------------------------------------- live view
