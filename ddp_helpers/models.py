@@ -4,7 +4,6 @@
     model = build_model("resnet18")            # the classic, 11M parameters: GPU throughput runs
 """
 import torch
-import torchvision
 from torch import nn
 
 
@@ -15,6 +14,8 @@ def resnet18(num_classes=10):
     once; on 32-pixel images it would throw away most of the picture, so the first conv
     becomes 3x3 with stride 1 and the max-pool goes.
     """
+    import torchvision  # here, not at the top: it takes about a second to import, and only ResNet-18 needs it
+
     model = torchvision.models.resnet18(num_classes=num_classes)
     model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
     nn.init.kaiming_normal_(model.conv1.weight, mode="fan_out", nonlinearity="relu")  # as torchvision does
