@@ -519,4 +519,10 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # The process group is destroyed and the checkpoints are written. Skip the interpreter's
+    # teardown: after a torchrun restart we saw it abort the finished workers in C++ thread
+    # destructors ("terminate called without an active exception"), failing a run that succeeded.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
