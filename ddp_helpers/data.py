@@ -303,7 +303,10 @@ class DeviceLoader:
         return -(-share // self.batch_size)
 
     def __iter__(self):
-        order = self.indices()[:len(self) * self.batch_size].to(self.device)
+        order = self.indices()[:len(self) * self.batch_size]
+        if self.device.type == "cuda":  # from pinned memory the copy does not wait for the GPU to be idle
+            order = order.pin_memory()
+        order = order.to(self.device, non_blocking=True)
         images, labels = self.images[order], self.labels[order]
         if self.train:
             # One random stream per (seed, epoch, rank): a resumed run augments exactly as before.

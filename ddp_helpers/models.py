@@ -39,37 +39,58 @@ def conv_bn(c_in, c_out, pool=False):
 class FastNet(nn.Sequential):
     """A small, fast convnet in the spirit of airbench's (github.com/KellerJordan/cifar10-airbench).
 
-    stem conv, then three blocks of (conv, pool, conv) at 16, 8 and 4 pixels, then a global
+    stem, then three blocks of (conv, pool, conv) at 16, 8 and 4 pixels, then a global
     max-pool and a linear layer. Block widths are width, 4*width, 4*width:
     width=64 has 2.0M parameters (GPU speed runs); width=16 has 0.13M (CPU runs).
-    Logits are scaled down (x 1/9, as airbench does) so that early training is not
-    dominated by over-confident outputs.
+    The stem is a 3x3 conv block, or with whiten=True a fixed 2x2 whitening filter bank
+    (set from the data by `whiten_from`). Logits are scaled down (x 1/9, as airbench does)
+    so that early training is not dominated by over-confident outputs.
     """
 
-    def __init__(self, width=64, num_classes=10, logit_scale=1 / 9):
+    def __init__(self, width=64, num_classes=10, logit_scale=1 / 9, whiten=False):
         widths = (width, 4 * width, 4 * width)
-        layers = conv_bn(3, max(width // 2, 8))
-        c_in = max(width // 2, 8)
+        if whiten:  # 12 whitening filters of 2x2x3 pixels and their negatives (GELU keeps both signs)
+            stem = nn.Conv2d(3, 24, kernel_size=2, padding=0, bias=True)
+            stem.weight.requires_grad = False
+            layers, c_in = [stem, nn.GELU()], 24
+        else:
+            c_in = max(width // 2, 8)
+            layers = conv_bn(3, c_in)
         for c_out in widths:
             layers += conv_bn(c_in, c_out, pool=True) + conv_bn(c_out, c_out)
             c_in = c_out
         layers += [nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(c_in, num_classes, bias=False)]
         super().__init__(*layers)
         self.logit_scale = logit_scale
+        self.whiten = whiten
 
     def forward(self, x):
         return super().forward(x) * self.logit_scale
+
+    @torch.no_grad()
+    def whiten_from(self, images, eps=5e-4):
+        """Set the whitening stem from (normalised) training images: its filters project each
+        2x2 patch onto the principal directions of all patches, scaled to unit variance, so
+        the next layer sees decorrelated inputs from the first step on."""
+        stem = self[0]
+        c, k = images.shape[1], stem.kernel_size[0]
+        patches = images.float().unfold(2, k, 1).unfold(3, k, 1)          # (N, C, H', W', k, k)
+        patches = patches.permute(0, 2, 3, 1, 4, 5).reshape(-1, c * k * k)
+        covariance = patches.T @ patches / len(patches)
+        variances, directions = torch.linalg.eigh(covariance)             # ascending variances
+        filters = (directions.T / (variances + eps).sqrt()[:, None]).reshape(-1, c, k, k)
+        stem.weight.copy_(torch.cat([filters, -filters]).to(stem.weight))
 
 
 MODELS = {"fastnet": FastNet, "resnet18": resnet18}
 
 
-def build_model(name, width=64, num_classes=10):
-    """A model by name: "fastnet" (uses `width`) or "resnet18"."""
+def build_model(name, width=64, num_classes=10, whiten=False):
+    """A model by name: "fastnet" (uses `width` and `whiten`) or "resnet18"."""
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}: choose one of {', '.join(MODELS)}")
     if name == "fastnet":
-        return FastNet(width, num_classes)
+        return FastNet(width, num_classes, whiten=whiten)
     return MODELS[name](num_classes)
 
 

@@ -15,7 +15,9 @@ step), train on its own share of each epoch's examples, and evaluate its share o
 set; metrics are combined across ranks with collectives. Every rank returns the same record.
 """
 import argparse
+import contextlib
 import dataclasses
+import functools
 import glob
 import json
 import math
@@ -34,6 +36,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import data, models
+from .cuda_graph import CapturedStep
 from .launcher import loopback_interface
 
 METRICS_PREFIX = "@@ddp_helpers.metrics "   # lines the live view (ddp_helpers.live) picks up
@@ -47,6 +50,7 @@ def option(default, help):
 class Config:
     model: str = option("fastnet", "fastnet (small, fast) or resnet18")
     width: int = option(64, "fastnet's first block width (16 for CPU runs); resnet18 ignores it")
+    whiten: bool = option(False, "fastnet only: a fixed whitening stem set from the training images")
     data: Optional[str] = option(None, f"folder with train/ and test/ class folders; default: "
                                        f"${data.ENV_VAR}, else torchvision's CIFAR10 (downloaded once)")
     per_class: Optional[int] = option(None, "train on the first N images of each class only")
@@ -59,9 +63,12 @@ class Config:
     weight_decay: float = option(5e-4, "L2 penalty on all weights")
     label_smoothing: float = option(0.1, "share of each target spread over the other classes")
     crop_pad: int = option(4, "random crops shift images by up to this many pixels (0: none)")
-    tta: bool = option(False, "test-time augmentation: average the logits of each image and its mirror")
+    tta: int = option(0, "test-time augmentation: 0 none; 1 average the logits of each image and its mirror; "
+                         "2 also of the image shifted by a pixel up-left and down-right (and their mirrors)")
     seed: int = option(0, "same seed, same run: model init, shuffling and augmentation")
     device: str = option("auto", "auto (this rank's GPU if there is one for it), cuda or cpu")
+    cuda_graph: bool = option(False, "GPU only: record the forward and backward of a step once as a CUDA "
+                                     "graph and replay it (removes Python's per-step cost; ddp_helpers.cuda_graph)")
     max_steps: Optional[int] = option(None, "stop after this many steps (the schedule is fitted to them)")
     eval_every: int = option(1, "evaluate on the test set every N epochs (0: only at the end)")
     log_every: int = option(10, "gather per-rank losses and throughput every N steps")
@@ -92,6 +99,7 @@ def check_config(cfg):
         if not ok:
             raise ValueError(message)
     need(cfg.model in models.MODELS, f"model must be one of {list(models.MODELS)}, got {cfg.model!r}")
+    need(not cfg.whiten or cfg.model == "fastnet", "whiten=True is for model='fastnet' only")
     need(cfg.width >= 1, f"width must be at least 1, got {cfg.width}")
     need(cfg.epochs >= 1, f"epochs must be at least 1, got {cfg.epochs}")
     need(cfg.batch_size >= 1, f"batch_size must be at least 1, got {cfg.batch_size}")
@@ -103,6 +111,9 @@ def check_config(cfg):
     need(0 <= cfg.crop_pad <= 16, f"crop_pad must be between 0 and 16 pixels, got {cfg.crop_pad}")
     need(cfg.device in ("auto", "cpu", "cuda"), f"device must be auto, cpu or cuda, got {cfg.device!r}")
     need(cfg.device != "cuda" or torch.cuda.is_available(), "device='cuda' but torch sees no GPU here")
+    need(not cfg.cuda_graph or (cfg.device != "cpu" and torch.cuda.is_available()),
+         "cuda_graph=True needs a GPU: CUDA graphs record GPU kernels")
+    need(cfg.tta in (0, 1, 2), f"tta must be 0, 1 or 2, got {cfg.tta}")
     for name in ("per_class", "test_per_class", "max_steps", "fail_at_step"):
         value = getattr(cfg, name)
         need(value is None or value >= 1, f"{name} must be at least 1 (or None for all), got {value}")
@@ -161,6 +172,7 @@ class Trainer:
     train_loader: data.DeviceLoader
     test_loader: data.DeviceLoader
     total_steps: int
+    forward_backward: typing.Callable = None   # (images, labels) -> loss; set by build()
     step: int = 0
     start_epoch: int = 0
 
@@ -171,7 +183,9 @@ class Trainer:
 
     def autocast(self):
         """bf16 matrix work on GPUs (same range as fp32: no loss scaling needed); fp32 on CPU."""
-        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda")
+        # A captured CUDA graph must not use autocast's cache of cast weights.
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda",
+                              cache_enabled=not self.cfg.cuda_graph)
 
 
 def build(cfg, device):
@@ -191,20 +205,24 @@ def build(cfg, device):
         total_steps = min(total_steps, cfg.max_steps)
 
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
-    model = models.build_model(cfg.model, cfg.width).to(device, memory_format=torch.channels_last)
+    model = models.build_model(cfg.model, cfg.width, whiten=cfg.whiten).to(device, memory_format=torch.channels_last)
     if world_size > 1:  # with one process DDP would only add work
         # gradient_as_bucket_view: gradients live inside DDP's all-reduce buckets, which saves
-        # copying them in and out every step.
-        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                    gradient_as_bucket_view=True)
+        # copying them in and out every step. For CUDA graphs, DDP is made on a side stream.
+        with torch.cuda.stream(torch.cuda.Stream()) if cfg.cuda_graph else contextlib.nullcontext():
+            model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                        gradient_as_bucket_view=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, nesterov=True,
                                 weight_decay=cfg.weight_decay)
     # Linear up for `warmup` of the steps from lr/10, then linear down to lr/1000.
     scheduler = torch.optim.lr_scheduler.OneCycleLR(
         optimizer, max_lr=cfg.lr, total_steps=total_steps, pct_start=cfg.warmup,
         anneal_strategy="linear", cycle_momentum=False, div_factor=10, final_div_factor=100)
-    return Trainer(cfg, device, rank, world_size, model, optimizer, scheduler,
-                   train_loader, test_loader, total_steps)
+    t = Trainer(cfg, device, rank, world_size, model, optimizer, scheduler, train_loader, test_loader,
+                total_steps)
+    t.forward_backward = CapturedStep(functools.partial(forward_backward, t)) if cfg.cuda_graph else \
+        functools.partial(forward_backward, t)
+    return t
 
 
 # --------------------------------------------------------------- training
@@ -216,16 +234,13 @@ def train_one_epoch(t, epoch, record):
     epoch_start = window_start = time.perf_counter()
     for i, (images, labels) in enumerate(t.train_loader, start=1):
         lrs.append(t.scheduler.get_last_lr()[0])
-        with t.autocast():
-            loss = F.cross_entropy(t.model(images), labels, label_smoothing=t.cfg.label_smoothing)
-        t.optimizer.zero_grad(set_to_none=True)
-        loss.backward()  # DDP all-reduces the gradients here, bucket by bucket, during backward
+        loss = t.forward_backward(images, labels)
         t.optimizer.step()
         t.scheduler.step()
         t.step += 1
         if t.step == t.cfg.fail_at_step:
             inject_fault(t)
-        losses.append(loss.detach())
+        losses.append(loss)
         finished = t.step == t.total_steps
         if t.step % t.cfg.log_every == 0 or i == len(t.train_loader) or finished:
             log_steps(t, epoch, losses, lrs, window_start, record)
@@ -233,6 +248,15 @@ def train_one_epoch(t, epoch, record):
         if finished:
             break
     return time.perf_counter() - epoch_start
+
+
+def forward_backward(t, images, labels):
+    """The loss of one batch, and its gradients (averaged over ranks by DDP) in .grad."""
+    t.optimizer.zero_grad(set_to_none=True)
+    with t.autocast():
+        loss = F.cross_entropy(t.model(images), labels, label_smoothing=t.cfg.label_smoothing)
+    loss.backward()  # DDP all-reduces the gradients here, bucket by bucket, during backward
+    return loss.detach()
 
 
 def inject_fault(t):
@@ -285,9 +309,7 @@ def evaluate(t):
     loss_sum, correct = torch.zeros((), device=t.device), torch.zeros((), device=t.device)
     for images, labels in t.test_loader:
         with t.autocast():
-            logits = model(images).float()
-            if t.cfg.tta:
-                logits = (logits + model(images.flip(-1)).float()) / 2
+            logits = predict(model, images, t.cfg.tta)
         loss_sum += F.cross_entropy(logits, labels, reduction="sum")  # sums stay on the device: no waiting
         correct += (logits.argmax(1) == labels).sum()
     count = torch.tensor(float(len(t.test_loader.indices())), device=t.device)
@@ -295,6 +317,23 @@ def evaluate(t):
     dist.all_reduce(totals)  # SUM over ranks
     loss_sum, correct, count = totals.tolist()
     return loss_sum / count, correct / count
+
+
+def predict(model, images, tta=0):
+    """Logits, averaged over test-time augmentations: a mirrored image is as much a cat as the
+    original, so averaging both views cancels some of each one's mistakes.
+    tta=1: the image and its mirror; tta=2: half that, half the same for the image moved
+    one pixel up-left and one pixel down-right (edges mirrored, as in training's crops)."""
+    def with_mirror(x):
+        return (model(x).float() + model(x.flip(-1)).float()) / 2 if tta else model(x).float()
+
+    logits = with_mirror(images)
+    if tta == 2:
+        padded = F.pad(images, (1, 1, 1, 1), mode="reflect")
+        h, w = images.shape[-2:]
+        shifted = (with_mirror(padded[..., :h, :w]) + with_mirror(padded[..., 2:, 2:])) / 2
+        logits = (logits + shifted) / 2
+    return logits
 
 
 # ------------------------------------------------------------- checkpoints
@@ -378,6 +417,9 @@ def run(**settings):
 def train(cfg):
     """The training loop proper, inside a process group."""
     device = pick_device(cfg)
+    if cfg.cuda_graph and device.type != "cuda":
+        raise ValueError(f"cuda_graph=True needs this rank on a GPU, but it is on {device} "
+                         f"({dist.get_backend()} backend)")
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # pick the fastest conv algorithms for these shapes
         torch.cuda.reset_peak_memory_stats(device)
@@ -395,6 +437,8 @@ def train(cfg):
 
     synchronize(t)  # start the clock together, with nothing left queued on the GPU
     start = time.perf_counter()
+    if cfg.whiten and t.step == 0:  # a start from data is part of the time to accuracy
+        t.module.whiten_from(data.normalize(t.train_loader.images[:5000]))
     for epoch in range(t.start_epoch, cfg.epochs):
         if t.step >= t.total_steps:
             break

@@ -132,7 +132,7 @@ def test_cli_help_and_bad_arguments(capsys):
         train.parse_args(["--help"])
     assert done.value.code == 0
     help_text = capsys.readouterr().out
-    assert "torchrun" in help_text and "--batch-size" in help_text and "--no-tta" in help_text
+    assert "torchrun" in help_text and "--batch-size" in help_text and "--tta" in help_text and "--cuda-graph" in help_text
     for argv, message in [(["--batch-size", "0"], "batch_size must be at least 1"),
                           (["--model", "vgg"], "model must be one of"),
                           (["--epochs", "two"], "invalid int value: 'two'")]:

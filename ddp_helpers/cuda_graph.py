@@ -1,0 +1,67 @@
+"""Replay each training step's forward and backward as one CUDA graph (GPU runs only).
+
+    step = CapturedStep(forward_backward)     # forward_backward(images, labels) -> loss, after backward
+    for images, labels in loader:
+        loss = step(images, labels)           # steps 1-11 eager; step 12 recorded; then replayed
+        optimizer.step()
+
+Why: in eager mode Python queues every kernel of every step one by one, a few microseconds
+each. A small network on a fast GPU finishes its kernels sooner than Python can queue them,
+so the GPU waits, and a second GPU cannot help: each process's CPU is the bottleneck, and
+DDP adds CPU work of its own (hooks, bucket bookkeeping). A CUDA graph records the kernels of
+one step once; replaying it is one call, whatever the number of kernels.
+
+How, following the CUDA Graphs notes of PyTorch ("whole network capture", "usage with
+DistributedDataParallel"; https://pytorch.org/docs/stable/notes/cuda.html#cuda-graphs):
+- The first steps run eagerly on a side stream: cuDNN picks its algorithms, the allocator
+  grows, DDP rebuilds its buckets; DDP needs 11 such iterations before capture. They are
+  real training steps, not thrown away.
+- The graph reads its inputs from fixed tensors: each step copies the batch into them.
+- Gradients are set to None just before capture: the recorded backward then writes fresh
+  gradients (into DDP's buckets, or memory of the graph's own), and replays rewrite them.
+  Nobody may zero or replace them afterwards.
+- Autocast must not cache its casts inside a captured region (cache_enabled=False).
+The optimizer step stays outside the graph: a handful of foreach kernels, and the learning
+rate keeps coming from the scheduler as a Python number.
+"""
+import torch
+
+EAGER_STEPS = 11   # DDP's requirement before capturing its backward
+
+
+class CapturedStep:
+    """Runs forward_backward(images, labels) eagerly for the first `eager_steps` calls, then
+    records it once as a CUDA graph and replays it on every later call. Returns the loss."""
+
+    def __init__(self, forward_backward, eager_steps=EAGER_STEPS):
+        self.forward_backward = forward_backward
+        self.eager_steps = eager_steps
+        self.calls = 0
+        self.graph = None
+        self.side_stream = torch.cuda.Stream()
+
+    def __call__(self, images, labels):
+        self.calls += 1
+        if self.calls <= self.eager_steps:
+            return self.eager(images, labels)
+        if self.graph is None:
+            self.capture(images, labels)  # records the step without running it
+        else:
+            self.static_images.copy_(images)
+            self.static_labels.copy_(labels)
+        self.graph.replay()
+        return self.static_loss.clone()   # the next replay overwrites static_loss
+
+    def eager(self, images, labels):
+        current = torch.cuda.current_stream()
+        self.side_stream.wait_stream(current)      # the batch was made on the current stream
+        with torch.cuda.stream(self.side_stream):
+            loss = self.forward_backward(images, labels)
+        current.wait_stream(self.side_stream)      # the optimizer step comes after
+        return loss
+
+    def capture(self, images, labels):
+        self.static_images, self.static_labels = images.clone(), labels.clone()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.static_loss = self.forward_backward(self.static_images, self.static_labels)
