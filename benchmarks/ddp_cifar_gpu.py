@@ -41,9 +41,9 @@ from ddp_helpers import data, launch, machine, train  # noqa: E402
 
 # The fast net's recipe: airbench94's global batch (1024), label smoothing, crop and flip, with
 # test-time flips; learning rate, momentum and weight decay from a small sweep on 2 H200s.
-FAST_RECIPE = dict(model="fastnet", width=64, batch_size=512, epochs=16, lr=0.6, momentum=0.9,
-                   weight_decay=5e-4, label_smoothing=0.2, crop_pad=2, warmup=0.23, tta=True)
-RESNET = dict(model="resnet18", batch_size=256, lr=0.2, epochs=100)   # epochs: enough for max_steps
+FAST_RECIPE = dict(model="fastnet", width=64, whiten=True, batch_size=512, epochs=18, lr=0.6, momentum=0.9,
+                   weight_decay=5e-4, label_smoothing=0.2, crop_pad=2, warmup=0.23, tta=2, cuda_graph=True)
+RESNET = dict(model="resnet18", batch_size=256, lr=0.2, epochs=100, cuda_graph=True)   # epochs: enough for max_steps
 
 
 def parse_args(argv=None):
@@ -101,21 +101,28 @@ def curve(record, every=1):
 
 
 def run_resnet(args, common, backend):
+    """CUDA-graph steps `--repeats` times per GPU count (the headline), then eager steps once
+    per GPU count: how much of a step was Python's time, not the GPU's."""
     rows, curves = [], {}
     # Losses are gathered (and the GPU waited for) every 25 steps: rarely enough not to slow it.
     settings = dict(common, **RESNET, max_steps=args.steps, log_every=25, eval_every=0)
     if args.quick:
-        settings.update(batch_size=8, log_every=1)
-    for repeat in range(args.repeats):
+        settings.update(batch_size=8, log_every=1, cuda_graph=False)
+    plan = [(graph, repeat) for repeat in range(args.repeats) for graph in [settings["cuda_graph"]]]
+    if settings["cuda_graph"]:
+        plan.append((False, 0))
+    for graph, repeat in plan:
         for gpus in (1, args.gpus):
-            record = launch(resnet_throughput, world_size=gpus, backend=backend, args=(settings,),
-                            timeout=600, quiet=True)[0]
-            rows.append({"experiment": "resnet18_throughput", "model": "resnet18", "gpus": gpus,
-                         "batch_per_gpu": settings["batch_size"], "run": repeat,
+            record = launch(resnet_throughput, world_size=gpus, backend=backend,
+                            args=(dict(settings, cuda_graph=graph),), timeout=120, quiet=True)[0]
+            rows.append({"experiment": "resnet18_throughput" if graph == settings["cuda_graph"]
+                         else "resnet18_throughput_eager", "model": "resnet18", "gpus": gpus,
+                         "batch_per_gpu": settings["batch_size"], "cuda_graph": graph, "run": repeat,
                          "images_per_s": counted_throughput(record, args.warmup_steps),
                          "peak_memory_gb_per_rank": record.get("peak_memory_gb")})
-            curves[f"resnet18_{gpus}gpu"] = curve(record)
-            print(f"  resnet18  {gpus} GPU(s)  run {repeat}: {rows[-1]['images_per_s']:,.0f} images/s", flush=True)
+            curves[f"resnet18_{gpus}gpu" + ("" if graph == settings["cuda_graph"] else "_eager")] = curve(record)
+            print(f"  resnet18  {gpus} GPU(s)  cuda_graph={graph}  run {repeat}: "
+                  f"{rows[-1]['images_per_s']:,.0f} images/s", flush=True)
     return rows, curves
 
 
@@ -123,11 +130,11 @@ def run_fast(args, common, backend):
     rows, curves = [], {}
     settings = dict(common, **dict(FAST_RECIPE, epochs=args.fast_epochs), eval_every=0, log_every=1000)
     if args.quick:
-        settings.update(width=8, batch_size=50, epochs=2)
+        settings.update(width=8, batch_size=50, epochs=2, cuda_graph=False)
     for gpus in (args.gpus, 1):
         per_gpu = dict(settings, batch_size=settings["batch_size"] * args.gpus // gpus)  # same global batch
         records = launch(timed_fast_runs, world_size=gpus, backend=backend,
-                         args=(per_gpu, list(range(args.runs))), timeout=600, quiet=True)[0]
+                         args=(per_gpu, list(range(args.runs))), timeout=200, quiet=True)[0]
         for seed, record in enumerate(records):
             rows.append({"experiment": "fastnet_time_to_accuracy", "model": "fastnet", "gpus": gpus,
                          "batch_per_gpu": per_gpu["batch_size"], "run": seed,
@@ -157,6 +164,12 @@ def summarize(rows, gpus):
         summary[f"fastnet_accuracy_std_{n}gpu"] = spread([r["test_accuracy"] for r in fast])
         summary[f"fastnet_seconds_mean_{n}gpu"] = mean([r["seconds"] for r in fast])
         summary[f"fastnet_seconds_std_{n}gpu"] = spread([r["seconds"] for r in fast])
+    eager = {n: mean([r["images_per_s"] for r in rows
+                      if r["experiment"] == "resnet18_throughput_eager" and r["gpus"] == n]) for n in sorted({1, gpus})}
+    if eager[1]:
+        summary["resnet18_eager_images_per_s_1gpu"] = eager[1]
+        summary[f"resnet18_eager_images_per_s_{gpus}gpu"] = eager[gpus]
+        summary["resnet18_eager_scaling_efficiency"] = eager[gpus] / (gpus * eager[1])
     one, many = summary["resnet18_images_per_s_1gpu"], summary[f"resnet18_images_per_s_{gpus}gpu"]
     summary["resnet18_scaling_efficiency"] = many / (gpus * one)
     # Best of the repeats: less sensitive to other programs on the host slowing one run.
@@ -187,7 +200,7 @@ def write(args, report, rows):
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "ddp_cifar_gpu.json"), "w") as f:
         json.dump(report, f, indent=1)
-    fields = ["experiment", "model", "gpus", "batch_per_gpu", "run", "images_per_s", "test_accuracy",
+    fields = ["experiment", "model", "gpus", "batch_per_gpu", "cuda_graph", "run", "images_per_s", "test_accuracy",
               "seconds", "train_seconds", "eval_seconds", "peak_memory_gb_per_rank"]
     with open(os.path.join(args.out, "ddp_cifar_gpu.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields)

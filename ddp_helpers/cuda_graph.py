@@ -1,6 +1,9 @@
 """Replay each training step's forward and backward as one CUDA graph (GPU runs only).
 
-    step = CapturedStep(forward_backward)     # forward_backward(images, labels) -> loss, after backward
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        model = DDP(model)                    # DDP is built on the stream the graph is captured on
+    step = CapturedStep(forward_backward, stream)   # forward_backward(images, labels) -> loss
     for images, labels in loader:
         loss = step(images, labels)           # steps 1-11 eager; step 12 recorded; then replayed
         optimizer.step()
@@ -13,9 +16,11 @@ one step once; replaying it is one call, whatever the number of kernels.
 
 How, following the CUDA Graphs notes of PyTorch ("whole network capture", "usage with
 DistributedDataParallel"; https://pytorch.org/docs/stable/notes/cuda.html#cuda-graphs):
-- The first steps run eagerly on a side stream: cuDNN picks its algorithms, the allocator
-  grows, DDP rebuilds its buckets; DDP needs 11 such iterations before capture. They are
-  real training steps, not thrown away.
+- One side stream does everything: building DDP (which makes the autograd nodes that
+  accumulate gradients, bound to the stream they were made on), the first steps, and the
+  capture. The first steps run eagerly: cuDNN picks its algorithms, the allocator grows,
+  DDP rebuilds its buckets; DDP needs 11 such iterations before capture. They are real
+  training steps, not thrown away.
 - The graph reads its inputs from fixed tensors: each step copies the batch into them.
 - Gradients are set to None just before capture: the recorded backward then writes fresh
   gradients (into DDP's buckets, or memory of the graph's own), and replays rewrite them.
@@ -32,13 +37,14 @@ EAGER_STEPS = 11   # DDP's requirement before capturing its backward
 class CapturedStep:
     """Runs forward_backward(images, labels) eagerly for the first `eager_steps` calls, then
     records it once as a CUDA graph and replays it on every later call. Returns the loss."""
+    capture_error_mode = "global"   # torch.cuda.graph's: what other threads may do during capture
 
-    def __init__(self, forward_backward, eager_steps=EAGER_STEPS):
+    def __init__(self, forward_backward, side_stream, eager_steps=EAGER_STEPS):
         self.forward_backward = forward_backward
+        self.side_stream = side_stream
         self.eager_steps = eager_steps
         self.calls = 0
         self.graph = None
-        self.side_stream = torch.cuda.Stream()
 
     def __call__(self, images, labels):
         self.calls += 1
@@ -60,8 +66,17 @@ class CapturedStep:
         current.wait_stream(self.side_stream)      # the optimizer step comes after
         return loss
 
+    def release(self):
+        """Free the graph. Needed before the process group goes: a communicator whose
+        operations a live graph still holds cannot be destroyed (destroy_process_group hangs)."""
+        if self.graph is not None:
+            torch.cuda.synchronize()
+            self.graph.reset()
+            self.graph = None
+
     def capture(self, images, labels):
         self.static_images, self.static_labels = images.clone(), labels.clone()
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        self.side_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.graph(self.graph, stream=self.side_stream, capture_error_mode=self.capture_error_mode):
             self.static_loss = self.forward_backward(self.static_images, self.static_labels)

@@ -206,10 +206,12 @@ def build(cfg, device):
 
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
     model = models.build_model(cfg.model, cfg.width, whiten=cfg.whiten).to(device, memory_format=torch.channels_last)
+    # CUDA graphs: DDP is built on the stream the graph will be captured on (ddp_helpers.cuda_graph)
+    side_stream = torch.cuda.Stream(device) if cfg.cuda_graph else None
     if world_size > 1:  # with one process DDP would only add work
         # gradient_as_bucket_view: gradients live inside DDP's all-reduce buckets, which saves
-        # copying them in and out every step. For CUDA graphs, DDP is made on a side stream.
-        with torch.cuda.stream(torch.cuda.Stream()) if cfg.cuda_graph else contextlib.nullcontext():
+        # copying them in and out every step.
+        with torch.cuda.stream(side_stream) if side_stream else contextlib.nullcontext():
             model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                         gradient_as_bucket_view=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, nesterov=True,
@@ -220,8 +222,9 @@ def build(cfg, device):
         anneal_strategy="linear", cycle_momentum=False, div_factor=10, final_div_factor=100)
     t = Trainer(cfg, device, rank, world_size, model, optimizer, scheduler, train_loader, test_loader,
                 total_steps)
-    t.forward_backward = CapturedStep(functools.partial(forward_backward, t)) if cfg.cuda_graph else \
-        functools.partial(forward_backward, t)
+    t.forward_backward = functools.partial(forward_backward, t)
+    if cfg.cuda_graph:
+        t.forward_backward = CapturedStep(t.forward_backward, side_stream)
     return t
 
 
@@ -424,6 +427,16 @@ def train(cfg):
         torch.backends.cudnn.benchmark = True  # pick the fastest conv algorithms for these shapes
         torch.cuda.reset_peak_memory_stats(device)
     t = build(cfg, device)
+    try:
+        return train_with(t)
+    finally:
+        if isinstance(t.forward_backward, CapturedStep):
+            t.forward_backward.release()
+
+
+def train_with(t):
+    """Train and evaluate with everything built."""
+    cfg, device = t.cfg, t.device
     if cfg.fail_at_step is not None and cfg.fail_rank >= t.world_size:
         raise ValueError(f"fail_rank={cfg.fail_rank} but there are only {t.world_size} rank(s)")
     resume = find_resume(t)
