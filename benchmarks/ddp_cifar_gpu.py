@@ -18,6 +18,7 @@ ddp_cifar_gpu.csv (one row per run) into --out (default notebooks/reference/).
 """
 import argparse
 import csv
+import dataclasses
 import datetime
 import json
 import os
@@ -26,6 +27,7 @@ import statistics
 import sys
 import tempfile
 import time
+import typing
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -58,9 +60,20 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=200, help="ResNet-18 steps per run")
     p.add_argument("--warmup-steps", type=int, default=50, help="ResNet-18 steps not counted")
     p.add_argument("--runs", type=int, default=5, help="timed fast-net runs (seeds) per GPU count")
-    p.add_argument("--fast-epochs", type=int, default=FAST_RECIPE["epochs"], help="fast-net epochs")
+    p.add_argument("--fast-epochs", type=int, help="fast-net epochs (default: the recipe's)")
     p.add_argument("--quick", action="store_true", help="CPU, Gloo, tiny sizes: a check of the script")
+    p.add_argument("--resnet-set", action="append", default=[], metavar="NAME=VALUE",
+                   help="change a ResNet-18 setting (ddp_helpers.train.Config), e.g. bucket_cap_mb=10; repeatable")
+    p.add_argument("--fast-set", action="append", default=[], metavar="NAME=VALUE",
+                   help="change a fast-net setting, e.g. epochs=14; repeatable")
     args = p.parse_args(argv)
+    try:
+        args.resnet = dict(RESNET, **settings_from(args.resnet_set))
+        args.fast = dict(FAST_RECIPE, **settings_from(args.fast_set))
+        for settings in (args.resnet, args.fast):  # bad values fail here, before any process starts
+            train.make_config(**dict(settings, cuda_graph=settings["cuda_graph"] and machine.gpu_count() > 0))
+    except (TypeError, ValueError) as err:
+        p.error(str(err))
     if not args.data:
         p.error(f"give --data (a folder with train/ and test/) or set ${data.ENV_VAR}")
     data.check_folder(args.data)
@@ -72,6 +85,23 @@ def parse_args(argv=None):
         if machine.gpu_count() < args.gpus:
             p.error(f"needs {args.gpus} GPUs, this machine has {machine.gpu_count()} (try --quick)")
     return args
+
+
+def settings_from(pairs):
+    """["epochs=14", "tta=2", "whiten=false"] -> {"epochs": 14, "tta": 2, "whiten": False}, typed as Config's fields."""
+    fields = {f.name: f for f in dataclasses.fields(train.Config)}
+    kinds = typing.get_type_hints(train.Config)
+    out = {}
+    for pair in pairs:
+        name, _, text = pair.partition("=")
+        if name not in fields:
+            raise ValueError(f"unknown setting {name!r} in {pair!r}")
+        kind = next((a for a in typing.get_args(kinds[name]) if a is not type(None)), kinds[name])
+        try:
+            out[name] = text.lower() in ("1", "true", "yes") if kind is bool else kind(text)
+        except ValueError:
+            raise ValueError(f"{name} takes a {kind.__name__}, got {text!r}") from None
+    return out
 
 
 # ------------------------------------------------------------ inside the ranks
@@ -105,7 +135,7 @@ def run_resnet(args, common, backend):
     per GPU count: how much of a step was Python's time, not the GPU's."""
     rows, curves = [], {}
     # Losses are gathered (and the GPU waited for) every 25 steps: rarely enough not to slow it.
-    settings = dict(common, **RESNET, max_steps=args.steps, log_every=25, eval_every=0)
+    settings = dict(common, **args.resnet, max_steps=args.steps, log_every=25, eval_every=0)
     if args.quick:
         settings.update(batch_size=8, log_every=1, cuda_graph=False)
     plan = [(graph, repeat) for repeat in range(args.repeats) for graph in [settings["cuda_graph"]]]
@@ -128,7 +158,8 @@ def run_resnet(args, common, backend):
 
 def run_fast(args, common, backend):
     rows, curves = [], {}
-    settings = dict(common, **dict(FAST_RECIPE, epochs=args.fast_epochs), eval_every=0, log_every=1000)
+    settings = dict(common, **dict(args.fast, epochs=args.fast_epochs or args.fast["epochs"]),
+                    eval_every=0, log_every=1000)
     if args.quick:
         settings.update(width=8, batch_size=50, epochs=2, cuda_graph=False)
     for gpus in (args.gpus, 1):
@@ -229,9 +260,9 @@ def main(argv=None):
     report = {"what": "DDP CIFAR-10 on GPUs: ResNet-18 scaling efficiency, fast-net time to accuracy",
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "quick_check_only": args.quick, "machine": describe_machine(), "data": describe_data(args.data),
-              "settings": {"resnet18": dict(RESNET, max_steps=args.steps, warmup_steps=args.warmup_steps,
+              "settings": {"resnet18": dict(args.resnet, max_steps=args.steps, warmup_steps=args.warmup_steps,
                                             repeats=args.repeats),
-                           "fastnet": dict(FAST_RECIPE, epochs=args.fast_epochs, runs=args.runs)},
+                           "fastnet": dict(args.fast, epochs=args.fast_epochs or args.fast["epochs"], runs=args.runs)},
               "summary": summary, "rows": rows, "curves": {**resnet_curves, **fast_curves},
               "wall_seconds": time.perf_counter() - started}
     write(args, report, rows)

@@ -33,6 +33,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import data, models
@@ -67,6 +68,10 @@ class Config:
                          "2 also of the image shifted by a pixel up-left and down-right (and their mirrors)")
     seed: int = option(0, "same seed, same run: model init, shuffling and augmentation")
     device: str = option("auto", "auto (this rank's GPU if there is one for it), cuda or cpu")
+    bucket_cap_mb: float = option(25.0, "DDP: gradients are all-reduced in buckets of about this many MB")
+    broadcast_buffers: bool = option(True, "DDP: send rank 0's buffers (BatchNorm statistics) to all ranks "
+                                           "before every forward")
+    comm_hook: str = option("none", "DDP: none, or bf16 (gradients travel as bfloat16: half the bytes)")
     cuda_graph: bool = option(False, "GPU only: record the forward and backward of a step once as a CUDA "
                                      "graph and replay it (removes Python's per-step cost; ddp_helpers.cuda_graph)")
     max_steps: Optional[int] = option(None, "stop after this many steps (the schedule is fitted to them)")
@@ -114,6 +119,8 @@ def check_config(cfg):
     need(not cfg.cuda_graph or (cfg.device != "cpu" and torch.cuda.is_available()),
          "cuda_graph=True needs a GPU: CUDA graphs record GPU kernels")
     need(cfg.tta in (0, 1, 2), f"tta must be 0, 1 or 2, got {cfg.tta}")
+    need(cfg.bucket_cap_mb > 0, f"bucket_cap_mb must be positive, got {cfg.bucket_cap_mb}")
+    need(cfg.comm_hook in ("none", "bf16"), f"comm_hook must be none or bf16, got {cfg.comm_hook!r}")
     for name in ("per_class", "test_per_class", "max_steps", "fail_at_step"):
         value = getattr(cfg, name)
         need(value is None or value >= 1, f"{name} must be at least 1 (or None for all), got {value}")
@@ -213,7 +220,10 @@ def build(cfg, device):
         # copying them in and out every step.
         with torch.cuda.stream(side_stream) if side_stream else contextlib.nullcontext():
             model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                        gradient_as_bucket_view=True)
+                        gradient_as_bucket_view=True, bucket_cap_mb=cfg.bucket_cap_mb,
+                        broadcast_buffers=cfg.broadcast_buffers)
+            if cfg.comm_hook == "bf16":
+                model.register_comm_hook(None, default_hooks.bf16_compress_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, nesterov=True,
                                 weight_decay=cfg.weight_decay)
     # Linear up for `warmup` of the steps from lr/10, then linear down to lr/1000.

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_helpers import data, launch, live, models, torchrun, train
+from ddp_helpers import data, launch, live, machine, models, torchrun, train
 from like_torchrun import run_module_like_torchrun
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,6 +37,51 @@ def test_fastnet_sizes():
     assert small(torch.randn(2, 3, 32, 32)).shape == (2, 10)
     with pytest.raises(ValueError, match="unknown model 'vgg'"):
         models.build_model("vgg")
+
+
+def test_whitening_stem_decorrelates_2x2_patches():
+    g = torch.Generator().manual_seed(0)
+    mix = torch.randn(3, 3, generator=g)  # correlated channels, like real colour images
+    images = torch.einsum("dc,nchw->ndhw", mix, torch.randn(200, 3, 32, 32, generator=g)) + 0.5
+    model = models.FastNet(width=8, whiten=True)
+    model.whiten_from(images)
+    out = F.conv2d(images, model[0].weight[:12])                      # the 12 filters before their negatives
+    flat = out.permute(0, 2, 3, 1).reshape(-1, 12)
+    covariance = flat.T @ flat / len(flat)
+    assert torch.allclose(covariance, torch.eye(12), atol=2e-2), covariance
+    assert torch.equal(model[0].weight[12:], -model[0].weight[:12])
+    assert not model[0].weight.requires_grad and model[0].bias.requires_grad
+    assert model(images[:4]).shape == (4, 10)
+
+
+class CallRecorder(torch.nn.Module):
+    """Logits = mean of the first pixel row; remembers every input it saw."""
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def forward(self, x):
+        self.seen.append(x.clone())
+        return x[:, :, 0, :10].mean(1)
+
+
+def test_test_time_augmentation_averages_the_right_views():
+    images = torch.randn(3, 3, 32, 32)
+    plain = train.predict(CallRecorder(), images, tta=0)
+    assert torch.equal(plain, images[:, :, 0, :10].mean(1))
+
+    model = CallRecorder()
+    mirrored = train.predict(model, images, tta=1)
+    assert len(model.seen) == 2 and torch.equal(model.seen[1], images.flip(-1))
+    assert torch.allclose(mirrored, (plain + images.flip(-1)[:, :, 0, :10].mean(1)) / 2)
+
+    model = CallRecorder()
+    train.predict(model, images, tta=2)
+    padded = F.pad(images, (1, 1, 1, 1), mode="reflect")
+    up_left, down_right = padded[..., :32, :32], padded[..., 2:, 2:]
+    views = [images, images.flip(-1), up_left, up_left.flip(-1), down_right, down_right.flip(-1)]
+    assert len(model.seen) == 6 and all(torch.equal(a, b) for a, b in zip(model.seen, views))
+    assert torch.equal(up_left[..., 1:, 1:], images[..., :31, :31])  # a real one-pixel shift
 
 
 # ------------------------------------------------- gradients: by hand vs DDP
@@ -125,6 +170,37 @@ def test_unknown_or_bad_settings_are_clear_errors():
         train.make_config(batch_size=0)
     with pytest.raises(ValueError, match="no checkpoint file"):
         train.make_config(resume="/nonexistent/ckpt.pt")
+    with pytest.raises(ValueError, match="tta must be 0, 1 or 2"):
+        train.make_config(tta=3)
+    with pytest.raises(ValueError, match="whiten=True is for model='fastnet' only"):
+        train.make_config(model="resnet18", whiten=True)
+    with pytest.raises(ValueError, match="comm_hook must be none or bf16"):
+        train.make_config(comm_hook="fp8")
+    with pytest.raises(ValueError, match="bucket_cap_mb must be positive"):
+        train.make_config(bucket_cap_mb=0)
+    with pytest.raises(ValueError, match="cuda_graph=True needs a GPU"):
+        train.make_config(cuda_graph=True, device="cpu")
+
+
+@pytest.mark.skipif(machine.gpu_count() > 0, reason="this machine has a GPU")
+def test_cuda_graph_without_a_gpu_is_a_clear_error_before_any_process_starts():
+    with pytest.raises(ValueError, match="cuda_graph=True needs a GPU"):
+        live.train(world_size=2, backend="gloo", cuda_graph=True, view="text")
+
+
+def build_with_ddp_settings(settings):
+    t = train.build(train.make_config(**settings), torch.device("cpu"))
+    record = train.train_with(t)
+    return t.model.bucket_bytes_cap, t.model.broadcast_buffers, record["test_loss"]
+
+
+@needs_mini
+def test_ddp_settings_reach_ddp_and_a_bf16_hook_trains():
+    settings = dict(TINY, epochs=1, bucket_cap_mb=0.5, broadcast_buffers=False, comm_hook="bf16")
+    results = launch(build_with_ddp_settings, world_size=2, backend="gloo", args=(settings,),
+                     timeout=120, quiet=True)
+    for cap, broadcast, loss in results:
+        assert cap == 0.5 * 1024 * 1024 and broadcast is False and 0 < loss < 10
 
 
 def test_cli_help_and_bad_arguments(capsys):
@@ -176,3 +252,37 @@ def test_metrics_filter_takes_out_marked_lines_only():
     tap.flush()
     assert out.getvalue() == "[rank 0] hello\n[rank 1] bye"
     assert messages == [{"kind": "end", "test_accuracy": 0.5, "test_loss": 1.0}]
+
+
+# ------------------------------------------------------------ GPU only
+needs_gpu = pytest.mark.skipif(machine.gpu_count() < 1, reason="needs a CUDA GPU")
+needs_2_gpus = pytest.mark.skipif(machine.gpu_count() < 2, reason="needs 2 CUDA GPUs")
+
+
+def losses_and_accuracy(settings):
+    record = train.run(**settings)
+    return [s["loss"][0] for s in record["steps"]], record["test_accuracy"]
+
+
+@needs_gpu
+@needs_mini
+def test_cuda_graph_steps_follow_the_eager_steps():
+    settings = dict(TINY, per_class=200, batch_size=50, epochs=1, device="cuda", log_every=1)  # 40 steps
+    eager, _ = launch(losses_and_accuracy, world_size=1, backend="nccl", args=(settings,), timeout=120, quiet=True)[0]
+    graph, _ = launch(losses_and_accuracy, world_size=1, backend="nccl", args=(dict(settings, cuda_graph=True),),
+                      timeout=120, quiet=True)[0]
+    assert len(eager) == len(graph) == 40
+    # Steps 1-11 run eagerly in both; then recorded and replayed: the same arithmetic, up to
+    # cuDNN picking other algorithms (bf16), so close, not equal.
+    assert max(abs(a - b) for a, b in zip(eager, graph)) < 0.05, (eager, graph)
+    assert sum(graph[-5:]) < sum(graph[:5])
+
+
+@needs_2_gpus
+@needs_mini
+def test_cuda_graph_with_ddp_trains_and_shuts_down():
+    # A live graph holding NCCL operations made destroy_process_group hang: train must free it.
+    settings = dict(TINY, per_class=200, batch_size=50, epochs=2, device="cuda", cuda_graph=True)
+    results = launch(losses_and_accuracy, world_size=2, backend="nccl", args=(settings,), timeout=120, quiet=True)
+    (losses0, accuracy0), (losses1, accuracy1) = results
+    assert len(losses0) == 40 and accuracy0 == accuracy1 > 0.1
