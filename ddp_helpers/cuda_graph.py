@@ -26,6 +26,10 @@ DistributedDataParallel"; https://pytorch.org/docs/stable/notes/cuda.html#cuda-g
   gradients (into DDP's buckets, or memory of the graph's own), and replays rewrite them.
   Nobody may zero or replace them afterwards.
 - Autocast must not cache its casts inside a captured region (cache_enabled=False).
+- The notes also ask for NCCL_ASYNC_ERROR_HANDLING=0 before init_process_group; on torch 2.11
+  with 2 H200s, DDP capture trained and shut down cleanly without it (tests/test_train.py).
+- The graph holds NCCL operations: free it (`release`) before destroy_process_group, which
+  otherwise waits forever (seen on torch 2.11).
 The optimizer step stays outside the graph: a handful of foreach kernels, and the learning
 rate keeps coming from the scheduler as a Python number.
 """
@@ -67,8 +71,7 @@ class CapturedStep:
         return loss
 
     def release(self):
-        """Free the graph. Needed before the process group goes: a communicator whose
-        operations a live graph still holds cannot be destroyed (destroy_process_group hangs)."""
+        """Free the graph; call it before destroy_process_group (see above)."""
         if self.graph is not None:
             torch.cuda.synchronize()
             self.graph.reset()
