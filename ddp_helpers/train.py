@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import functools
 import glob
+import inspect
 import json
 import math
 import os
@@ -221,7 +222,7 @@ def build(cfg, device):
         with torch.cuda.stream(side_stream) if side_stream else contextlib.nullcontext():
             model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                         gradient_as_bucket_view=True, bucket_cap_mb=cfg.bucket_cap_mb,
-                        broadcast_buffers=cfg.broadcast_buffers)
+                        **buffer_sync_option(cfg.broadcast_buffers))
             if cfg.comm_hook == "bf16":
                 model.register_comm_hook(None, default_hooks.bf16_compress_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, nesterov=True,
@@ -236,6 +237,15 @@ def build(cfg, device):
     if cfg.cuda_graph:
         t.forward_backward = CapturedStep(t.forward_backward, side_stream)
     return t
+
+
+def buffer_sync_option(enabled):
+    """DDP's argument for broadcasting rank 0's buffers before every forward. On by default;
+    torch 2.14 renamed it from broadcast_buffers to forward_sync_buffers (and warns about the old name)."""
+    if enabled:
+        return {}
+    new_name = "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
+    return {"forward_sync_buffers" if new_name else "broadcast_buffers": False}
 
 
 # --------------------------------------------------------------- training
