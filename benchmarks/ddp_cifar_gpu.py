@@ -14,7 +14,8 @@ code of ddp_helpers.train (one process per GPU, started with ddp_helpers.launch)
    run in the same processes), `--runs` seeds, on 2 GPUs and, for comparison, on 1.
 3. Peak GPU memory of every rank.
 Writes ddp_cifar_gpu.json (hardware, versions, date, data copy, every figure, loss curves) and
-ddp_cifar_gpu.csv (one row per run) into --out (default notebooks/reference/).
+ddp_cifar_gpu.csv (one row per run) into --out (default notebooks/reference/). For the record
+trainer beside it, in the same session: benchmarks/peer_airbench94.py.
 """
 import argparse
 import csv
