@@ -53,6 +53,9 @@ class Config:
     model: str = option("fastnet", "fastnet (small, fast) or resnet18")
     width: int = option(64, "fastnet's first block width (16 for CPU runs); resnet18 ignores it")
     whiten: bool = option(False, "fastnet only: a fixed whitening stem set from the training images")
+    identity_init: bool = option(False, "fastnet only: each 3x3 conv starts by passing its input channels through")
+    lookahead: int = option(0, "every N steps, pull the weights to a slow average of their past values, which "
+                               "weighs more as training ends; the final weights are that average (0: off)")
     data: Optional[str] = option(None, f"folder with train/ and test/ class folders; default: "
                                        f"${data.ENV_VAR}, else torchvision's CIFAR10 (downloaded once)")
     per_class: Optional[int] = option(None, "train on the first N images of each class only")
@@ -106,6 +109,8 @@ def check_config(cfg):
             raise ValueError(message)
     need(cfg.model in models.MODELS, f"model must be one of {list(models.MODELS)}, got {cfg.model!r}")
     need(not cfg.whiten or cfg.model == "fastnet", "whiten=True is for model='fastnet' only")
+    need(not cfg.identity_init or cfg.model == "fastnet", "identity_init=True is for model='fastnet' only")
+    need(cfg.lookahead >= 0, f"lookahead must be >= 0 (0: off), got {cfg.lookahead}")
     need(cfg.width >= 1, f"width must be at least 1, got {cfg.width}")
     need(cfg.epochs >= 1, f"epochs must be at least 1, got {cfg.epochs}")
     need(cfg.batch_size >= 1, f"batch_size must be at least 1, got {cfg.batch_size}")
@@ -181,6 +186,7 @@ class Trainer:
     test_loader: data.DeviceLoader
     total_steps: int
     forward_backward: typing.Callable = None   # (images, labels) -> loss; set by build()
+    slow: Optional["Lookahead"] = None         # with cfg.lookahead; set when training starts
     step: int = 0
     start_epoch: int = 0
 
@@ -213,7 +219,8 @@ def build(cfg, device):
         total_steps = min(total_steps, cfg.max_steps)
 
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
-    model = models.build_model(cfg.model, cfg.width, whiten=cfg.whiten).to(device, memory_format=torch.channels_last)
+    model = models.build_model(cfg.model, cfg.width, whiten=cfg.whiten, identity_init=cfg.identity_init)
+    model = model.to(device, memory_format=torch.channels_last)
     # CUDA graphs: DDP is built on the stream the graph will be captured on (ddp_helpers.cuda_graph)
     side_stream = torch.cuda.Stream(device) if cfg.cuda_graph else None
     if world_size > 1:  # with one process DDP would only add work
@@ -261,6 +268,8 @@ def train_one_epoch(t, epoch, record):
         t.optimizer.step()
         t.scheduler.step()
         t.step += 1
+        if t.slow and (t.step % t.cfg.lookahead == 0 or t.step == t.total_steps):
+            t.slow.step(keep=1.0 if t.step == t.total_steps else t.slow.keep(t.step, t.total_steps))
         if t.step == t.cfg.fail_at_step:
             inject_fault(t)
         losses.append(loss)
@@ -271,6 +280,30 @@ def train_one_epoch(t, epoch, record):
         if finished:
             break
     return time.perf_counter() - epoch_start
+
+
+class Lookahead:
+    """A slow copy of the weights (and BatchNorm statistics) that the fast ones are pulled back to.
+
+    Every few steps: slow <- keep * slow + (1 - keep) * fast, then fast <- slow. `keep` grows
+    from 0 (no effect) to about 0.77 as training ends, so the last steps are averaged rather
+    than taken one by one; at the end the weights become the slow copy. This is airbench's
+    "lookahead" (github.com/KellerJordan/cifar10-airbench), a cousin of weight averaging.
+    Every rank does the same arithmetic on the same weights, so DDP's ranks stay identical.
+    """
+
+    def __init__(self, module, every):
+        self.every = every
+        self.fast = [v for v in module.state_dict().values() if v.is_floating_point()]
+        self.slow = [v.detach().clone() for v in self.fast]
+
+    def keep(self, step, total_steps):
+        return 0.95 ** self.every * (step / total_steps) ** 3
+
+    @torch.no_grad()
+    def step(self, keep):
+        torch._foreach_lerp_(self.slow, self.fast, 1 - keep)
+        torch._foreach_copy_(self.fast, self.slow)
 
 
 def forward_backward(t, images, labels):
@@ -372,6 +405,8 @@ def save_checkpoint(t, path, epoch):
         state = {"model": t.module.state_dict(), "optimizer": t.optimizer.state_dict(),
                  "scheduler": t.scheduler.state_dict(), "epoch": epoch, "step": t.step,
                  "config": dataclasses.asdict(t.cfg)}
+        if t.slow:
+            state["lookahead"] = t.slow.slow
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         torch.save(state, path + ".tmp")
         os.replace(path + ".tmp", path)
@@ -408,12 +443,14 @@ def find_resume(t):
 
 def load_checkpoint(t, path):
     """Every rank reads the checkpoint onto its own device (map_location: tensors saved
-    from cuda:0 would otherwise all land on cuda:0) and continues after its epoch."""
+    from cuda:0 would otherwise all land on cuda:0) and continues after its epoch.
+    Returns what was saved."""
     state = torch.load(path, map_location=t.device, weights_only=True)
     t.module.load_state_dict(state["model"])
     t.optimizer.load_state_dict(state["optimizer"])
     t.scheduler.load_state_dict(state["scheduler"])
     t.step, t.start_epoch = state["step"], state["epoch"] + 1
+    return state
 
 
 # ------------------------------------------------------------------- run
@@ -460,8 +497,7 @@ def train_with(t):
     if cfg.fail_at_step is not None and cfg.fail_rank >= t.world_size:
         raise ValueError(f"fail_rank={cfg.fail_rank} but there are only {t.world_size} rank(s)")
     resume = find_resume(t)
-    if resume:
-        load_checkpoint(t, resume)
+    saved = load_checkpoint(t, resume) if resume else None
     record = {"config": dataclasses.asdict(cfg), "device": str(device), "world_size": t.world_size,
               "backend": dist.get_backend(), "total_steps": t.total_steps, "steps": [], "epochs": [],
               "train_seconds": 0.0, "resumed_from": resume, "start_step": t.step,
@@ -472,6 +508,10 @@ def train_with(t):
     start = time.perf_counter()
     if cfg.whiten and t.step == 0:  # a start from data is part of the time to accuracy
         t.module.whiten_from(data.normalize(t.train_loader.images[:5000]))
+    if cfg.lookahead:
+        t.slow = Lookahead(t.module, cfg.lookahead)
+        if saved and "lookahead" in saved:
+            torch._foreach_copy_(t.slow.slow, saved["lookahead"])
     for epoch in range(t.start_epoch, cfg.epochs):
         if t.step >= t.total_steps:
             break

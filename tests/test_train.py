@@ -134,10 +134,11 @@ def test_short_cpu_training_lowers_the_loss_and_shows_progress(capsys):
     assert len(figure.axes) == 3 and live.png(figure)[:4] == b"\x89PNG"
 
 
-def train_then_resume(folder):
+def train_then_resume(folder, **extra):
     """Three epochs in one go, then again from the checkpoint written after the first."""
-    full = train.run(**TINY, epochs=3, checkpoint=f"{folder}/full-{{epoch}}.pt")
-    resumed = train.run(**TINY, epochs=3, resume=f"{folder}/full-0.pt", checkpoint=f"{folder}/resumed-{{epoch}}.pt")
+    full = train.run(**TINY, **extra, epochs=3, checkpoint=f"{folder}/full-{{epoch}}.pt")
+    resumed = train.run(**TINY, **extra, epochs=3, resume=f"{folder}/full-0.pt",
+                        checkpoint=f"{folder}/resumed-{{epoch}}.pt")
     return full, resumed
 
 
@@ -162,6 +163,45 @@ def test_checkpoint_round_trip_and_identical_resume(tmp_path):
     assert torch.equal(model.state_dict()["0.weight"], a["model"]["0.weight"])
 
 
+def test_lookahead_pulls_the_weights_to_their_slow_average():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    slow = train.Lookahead(model, every=5)
+    start = [v.clone() for v in slow.slow]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)                              # the fast weights move on
+    moved = [v.clone() for v in slow.fast]
+    slow.step(keep=0.25)
+    for before, after_fast, s, f in zip(start, moved, slow.slow, slow.fast):
+        assert torch.allclose(s, 0.25 * before + 0.75 * after_fast) and torch.equal(f, s)
+    assert model[0].weight.data_ptr() == slow.fast[0].data_ptr()  # it edits the model in place
+    assert len(slow.fast) == 6  # weight, bias, BN weight, bias, running mean, var; not the step counter
+    assert slow.keep(0, 100) == 0 and 0.77 < slow.keep(100, 100) < 0.78
+
+
+def test_identity_init_passes_channels_through():
+    model = models.FastNet(width=16, identity_init=True)
+    convs = [m for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
+    assert len(convs) == 7
+    for conv in convs:
+        x = torch.randn(2, conv.in_channels, 8, 8)
+        assert torch.equal(conv(x)[:, :conv.in_channels], x)               # first channels: identity
+        if conv.out_channels > conv.in_channels:
+            assert conv.weight[conv.in_channels:].abs().sum() > 0          # the others: random
+    plain = models.FastNet(width=16)
+    assert not torch.equal(plain[0](x := torch.randn(2, 3, 8, 8))[:, :3], x)
+
+
+@needs_mini
+def test_resume_with_lookahead_is_identical(tmp_path):
+    (full, resumed), _ = launch(train_then_resume, world_size=2, backend="gloo", args=(str(tmp_path),),
+                                kwargs=dict(lookahead=3, identity_init=True), timeout=120, quiet=True)
+    assert [s["loss"] for s in resumed["steps"]] == [s["loss"] for s in full["steps"][10:]]
+    assert resumed["test_accuracy"] == full["test_accuracy"]
+    saved = torch.load(tmp_path / "full-0.pt", map_location="cpu", weights_only=True)
+    assert len(saved["lookahead"]) == len([v for v in saved["model"].values() if v.is_floating_point()])
+
+
 # ---------------------------------------------------------- settings, CLI
 def test_unknown_or_bad_settings_are_clear_errors():
     with pytest.raises(TypeError, match=r"unknown setting\(s\) \['lrr'\]"):
@@ -176,6 +216,10 @@ def test_unknown_or_bad_settings_are_clear_errors():
         train.make_config(model="resnet18", whiten=True)
     with pytest.raises(ValueError, match="comm_hook must be none or bf16"):
         train.make_config(comm_hook="fp8")
+    with pytest.raises(ValueError, match="identity_init=True is for model='fastnet' only"):
+        train.make_config(model="resnet18", identity_init=True)
+    with pytest.raises(ValueError, match="lookahead must be >= 0"):
+        train.make_config(lookahead=-1)
     with pytest.raises(ValueError, match="bucket_cap_mb must be positive"):
         train.make_config(bucket_cap_mb=0)
     with pytest.raises(ValueError, match="cuda_graph=True needs a GPU"):
