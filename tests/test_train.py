@@ -240,7 +240,7 @@ def build_with_ddp_settings(settings):
 
 
 @needs_mini
-def test_ddp_settings_reach_ddp_and_a_bf16_hook_trains(recwarn):
+def test_ddp_settings_reach_ddp_and_a_bf16_hook_trains():
     settings = dict(TINY, epochs=1, bucket_cap_mb=0.5, broadcast_buffers=False, comm_hook="bf16")
     results = launch(build_with_ddp_settings, world_size=2, backend="gloo", args=(settings,),
                      timeout=120, quiet=True)
