@@ -28,7 +28,6 @@ import statistics
 import sys
 import tempfile
 import time
-import typing
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -90,14 +89,13 @@ def parse_args(argv=None):
 
 def settings_from(pairs):
     """["epochs=14", "tta=2", "whiten=false"] -> {"epochs": 14, "tta": 2, "whiten": False}, typed as Config's fields."""
-    fields = {f.name: f for f in dataclasses.fields(train.Config)}
-    kinds = typing.get_type_hints(train.Config)
+    names = {f.name for f in dataclasses.fields(train.Config)}
     out = {}
     for pair in pairs:
         name, _, text = pair.partition("=")
-        if name not in fields:
+        if name not in names:
             raise ValueError(f"unknown setting {name!r} in {pair!r}")
-        kind = next((a for a in typing.get_args(kinds[name]) if a is not type(None)), kinds[name])
+        kind = train.setting_type(name)
         try:
             out[name] = text.lower() in ("1", "true", "yes") if kind is bool else kind(text)
         except ValueError:

@@ -101,37 +101,34 @@ def _legend_below(ax):
 def plot_time(rows, ax=None, fit=True):
     """Time per call against message size (log-log), one line per series; with the
     alpha-beta fit (dashed) and the regime border of each series."""
-    ax = ax or plt.subplots(figsize=(7, 6))[1]
-    for level, (label, group) in enumerate(series(rows).items()):
-        S = np.array([r["bytes"] for r in group], dtype=float)
-        line, = ax.plot(S, [r["time_us"] for r in group], "o-", markersize=3, label=label)
-        if fit and len(group) >= 2:
-            alpha, beta = fit_alpha_beta(group)
-            ax.plot(S, model_time_us(S, alpha, beta), "--", color=line.get_color(), linewidth=1,
-                    label=f"fit: \u03b1 = {alpha:.3g} \u00b5s, \u03b2 = {beta:.3g} GB/s")
-            mark_regimes(ax, alpha, beta, line.get_color(), level)
-    ax.set_yscale("log")
-    ax.set_ylabel("time per call (\u00b5s)")
-    _size_axis(ax, [r["bytes"] for r in rows])
-    _legend_below(ax)
-    return ax
+    def fitted(S, alpha, beta, group):
+        return model_time_us(S, alpha, beta), f"fit: \u03b1 = {alpha:.3g} \u00b5s, \u03b2 = {beta:.3g} GB/s"
+    return _plot_against_size(rows, ax, fit, "time_us", "time per call (\u00b5s)", fitted)
 
 
 def plot_busbw(rows, ax=None, fit=True):
     """Bus bandwidth against message size (log-log), one line per series; with the
     bandwidth the alpha-beta fit predicts (dashed) and the regime border of each series."""
+    def fitted(S, alpha, beta, group):
+        factor = group[-1]["busbw_GBps"] / group[-1]["algbw_GBps"]   # the collective's bus factor
+        return S / (model_time_us(S, alpha, beta) * 1e3) * factor, None
+    return _plot_against_size(rows, ax, fit, "busbw_GBps", "bus bandwidth (GB/s, 1e9 B/s)", fitted)
+
+
+def _plot_against_size(rows, ax, fit, key, ylabel, fitted):
+    """One measured line per series, and with `fit` the curve fitted(S, alpha, beta, group)
+    returns (values, legend label) for it, dashed, with the series' regime border."""
     ax = ax or plt.subplots(figsize=(7, 6))[1]
     for level, (label, group) in enumerate(series(rows).items()):
         S = np.array([r["bytes"] for r in group], dtype=float)
-        line, = ax.plot(S, [r["busbw_GBps"] for r in group], "o-", markersize=3, label=label)
+        line, = ax.plot(S, [r[key] for r in group], "o-", markersize=3, label=label)
         if fit and len(group) >= 2:
             alpha, beta = fit_alpha_beta(group)
-            factor = group[-1]["busbw_GBps"] / group[-1]["algbw_GBps"]   # the collective's bus factor
-            ax.plot(S, S / (model_time_us(S, alpha, beta) * 1e3) * factor, "--", color=line.get_color(),
-                    linewidth=1)
+            values, fit_label = fitted(S, alpha, beta, group)
+            ax.plot(S, values, "--", color=line.get_color(), linewidth=1, label=fit_label)
             mark_regimes(ax, alpha, beta, line.get_color(), level)
     ax.set_yscale("log")
-    ax.set_ylabel("bus bandwidth (GB/s, 1e9 B/s)")
+    ax.set_ylabel(ylabel)
     _size_axis(ax, [r["bytes"] for r in rows])
     _legend_below(ax)
     return ax

@@ -604,6 +604,12 @@ def say(line):
 
 
 # -------------------------------------------------------------------- CLI
+def setting_type(name):
+    """The plain type of a Config field: Optional[int] -> int."""
+    kind = typing.get_type_hints(Config)[name]
+    return next((a for a in typing.get_args(kind) if a is not type(None)), kind)
+
+
 def parse_args(argv=None):
     """Command-line flags, one per Config field, with its default and help."""
     parser = argparse.ArgumentParser(
@@ -611,16 +617,14 @@ def parse_args(argv=None):
         description="Train CIFAR-10 with DDP. Start with torchrun, e.g. torchrun --standalone "
                     "--nproc-per-node=2 -m ddp_helpers.train --width 16 --epochs 2",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    hints = typing.get_type_hints(Config)
     for f in dataclasses.fields(Config):
         flag = "--" + f.name.replace("_", "-")
-        kind = hints[f.name]
+        kind = setting_type(f.name)
         if kind is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
                                 help=f.metadata["help"])
         else:
-            base = next((a for a in typing.get_args(kind) if a is not type(None)), kind)  # Optional[int] -> int
-            parser.add_argument(flag, type=base, default=f.default, help=f.metadata["help"],
+            parser.add_argument(flag, type=kind, default=f.default, help=f.metadata["help"],
                                 metavar=f.name.upper())
     args = parser.parse_args(argv)
     try:
