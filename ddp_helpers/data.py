@@ -219,6 +219,8 @@ def augment(images, pad=4, flip=True, generator=None):
     hangs over the edge, it sees the image mirrored (reflection padding). Flipped images read
     their columns backwards. Both are one gather, so no padded copy is ever made. The result
     is laid out channels-last (what convolutions on GPUs prefer).
+    flip: True mirrors each image with probability 1/2, False none, or a bool tensor (B,)
+    says which ones.
     """
     n, _, h, w = images.shape
     device = images.device
@@ -226,9 +228,10 @@ def augment(images, pad=4, flip=True, generator=None):
     dx = torch.randint(-pad, pad + 1, (n, 1), device=device, generator=generator)
     rows = _reflect(dy + torch.arange(h, device=device), h)                  # (n, h)
     cols = _reflect(dx + torch.arange(w, device=device), w)                  # (n, w)
-    if flip:
-        flipped = torch.rand(n, 1, device=device, generator=generator) < 0.5
-        cols = torch.where(flipped, cols.flip(1), cols)
+    if flip is True:
+        flip = torch.rand(n, device=device, generator=generator) < 0.5
+    if flip is not False:
+        cols = torch.where(flip.view(n, 1), cols.flip(1), cols)
     batch = torch.arange(n, device=device)[:, None, None]
     out = images[batch, :, rows[:, :, None], cols[:, None, :]]              # (n, h, w, C)
     return out.permute(0, 3, 1, 2)
@@ -270,16 +273,25 @@ class DeviceLoader:
                  the same number of steps, or DDP's all-reduces would wait forever).
     train=False: every image exactly once across ranks (rank r takes r, r+W, r+2W, ...),
                  no augmentation, last batch kept: metrics summed over ranks are exact.
+    flip: "random" (each image mirrored with probability 1/2, anew every epoch), "none", or
+          "alternate": a random half mirrored in even epochs, the other half in odd ones, so
+          over two epochs every image is seen both ways (airbench's trick; fewer repeats).
     """
+    FLIPS = ("random", "alternate", "none")
 
     def __init__(self, split, batch_size, train, device="cpu", rank=0, world_size=1, seed=0,
-                 pad=4, flip=True):
+                 pad=4, flip="random"):
+        if flip not in self.FLIPS:
+            raise ValueError(f"flip must be one of {self.FLIPS}, got {flip!r}")
         self.images = split.images.to(device)
         self.labels = split.labels.to(device)
         self.batch_size, self.train, self.device = batch_size, train, torch.device(device)
         self.rank, self.seed, self.pad, self.flip = rank, seed, pad, flip
         self.world_size = world_size
         self.epoch = 0
+        if flip == "alternate":  # one draw for all epochs, the same on every rank (seeded on the CPU)
+            first = torch.rand(len(self.labels), generator=torch.Generator().manual_seed(seed)) < 0.5
+            self.mirrored_in_even_epochs = first.to(device)
         if train:
             self.sampler = DistributedSampler(range(len(self.labels)), num_replicas=world_size,
                                               rank=rank, shuffle=True, seed=seed)
@@ -295,6 +307,12 @@ class DeviceLoader:
         if self.train:
             return torch.tensor(list(self.sampler), dtype=torch.int64)
         return torch.arange(self.rank, len(self.labels), self.world_size)
+
+    def flips(self, order):
+        """What augment() should mirror, for the images `order` names, this epoch."""
+        if self.flip != "alternate":
+            return self.flip == "random"
+        return self.mirrored_in_even_epochs[order] ^ (self.epoch % 2 == 1)
 
     def __len__(self):
         if self.train:
@@ -312,7 +330,7 @@ class DeviceLoader:
             # One random stream per (seed, epoch, rank): a resumed run augments exactly as before.
             generator = torch.Generator(self.device).manual_seed(
                 (self.seed * 1_000_003 + self.epoch) * 1009 + self.rank)
-            images = augment(images, self.pad, self.flip, generator)
+            images = augment(images, self.pad, self.flips(order), generator)
         else:
             images = images.contiguous(memory_format=torch.channels_last)
         images = normalize(images)

@@ -54,6 +54,7 @@ class Config:
     width: int = option(64, "fastnet's first block width (16 for CPU runs); resnet18 ignores it")
     whiten: bool = option(False, "fastnet only: a fixed whitening stem set from the training images")
     identity_init: bool = option(False, "fastnet only: each 3x3 conv starts by passing its input channels through")
+    bn_weights: bool = option(True, "fastnet only: BatchNorm scales learn (False: fixed at 1, only the shifts learn)")
     lookahead: int = option(0, "every N steps, pull the weights to a slow average of their past values, which "
                                "weighs more as training ends; the final weights are that average (0: off)")
     data: Optional[str] = option(None, f"folder with train/ and test/ class folders; default: "
@@ -64,10 +65,16 @@ class Config:
     batch_size: int = option(256, "images per step on each rank (the global batch is this x ranks)")
     lr: float = option(0.4, "peak learning rate of the one-cycle schedule")
     warmup: float = option(0.25, "fraction of the steps spent raising the learning rate")
+    lr_start: float = option(0.1, "the learning rate starts at this fraction of lr")
+    lr_end: float = option(0.001, "and ends at this fraction of lr")
+    norm_bias_lr: float = option(1.0, "BatchNorm shifts learn this many times faster than the rest (their "
+                                      "weight decay per step stays the same)")
     momentum: float = option(0.9, "SGD (Nesterov) momentum")
     weight_decay: float = option(5e-4, "L2 penalty on all weights")
     label_smoothing: float = option(0.1, "share of each target spread over the other classes")
     crop_pad: int = option(4, "random crops shift images by up to this many pixels (0: none)")
+    flip: str = option("random", "mirror training images: random (each with probability 1/2, every epoch), "
+                                 "alternate (a random half in even epochs, the other half in odd ones) or none")
     tta: int = option(0, "test-time augmentation: 0 none; 1 average the logits of each image and its mirror; "
                          "2 also of the image shifted by a pixel up-left and down-right (and their mirrors)")
     seed: int = option(0, "same seed, same run: model init, shuffling and augmentation")
@@ -110,16 +117,21 @@ def check_config(cfg):
     need(cfg.model in models.MODELS, f"model must be one of {list(models.MODELS)}, got {cfg.model!r}")
     need(not cfg.whiten or cfg.model == "fastnet", "whiten=True is for model='fastnet' only")
     need(not cfg.identity_init or cfg.model == "fastnet", "identity_init=True is for model='fastnet' only")
+    need(cfg.bn_weights or cfg.model == "fastnet", "bn_weights=False is for model='fastnet' only")
     need(cfg.lookahead >= 0, f"lookahead must be >= 0 (0: off), got {cfg.lookahead}")
     need(cfg.width >= 1, f"width must be at least 1, got {cfg.width}")
     need(cfg.epochs >= 1, f"epochs must be at least 1, got {cfg.epochs}")
     need(cfg.batch_size >= 1, f"batch_size must be at least 1, got {cfg.batch_size}")
     need(cfg.lr > 0, f"lr must be positive, got {cfg.lr}")
     need(0 < cfg.warmup < 1, f"warmup must be between 0 and 1 (a fraction of the steps), got {cfg.warmup}")
+    need(0 < cfg.lr_start <= 1 and 0 < cfg.lr_end <= 1,
+         f"lr_start and lr_end are fractions of lr in (0, 1], got {cfg.lr_start} and {cfg.lr_end}")
+    need(cfg.norm_bias_lr > 0, f"norm_bias_lr must be positive, got {cfg.norm_bias_lr}")
     need(0 <= cfg.momentum < 1, f"momentum must be in [0, 1), got {cfg.momentum}")
     need(cfg.weight_decay >= 0, f"weight_decay must be >= 0, got {cfg.weight_decay}")
     need(0 <= cfg.label_smoothing < 1, f"label_smoothing must be in [0, 1), got {cfg.label_smoothing}")
     need(0 <= cfg.crop_pad <= 16, f"crop_pad must be between 0 and 16 pixels, got {cfg.crop_pad}")
+    need(cfg.flip in data.DeviceLoader.FLIPS, f"flip must be one of {data.DeviceLoader.FLIPS}, got {cfg.flip!r}")
     need(cfg.device in ("auto", "cpu", "cuda"), f"device must be auto, cpu or cuda, got {cfg.device!r}")
     need(cfg.device != "cuda" or torch.cuda.is_available(), "device='cuda' but torch sees no GPU here")
     need(not cfg.cuda_graph or (cfg.device != "cpu" and torch.cuda.is_available()),
@@ -208,7 +220,7 @@ def build(cfg, device):
     train_set = data.load_cifar10(train=True, root=cfg.data, per_class=cfg.per_class)
     test_set = data.load_cifar10(train=False, root=cfg.data, per_class=cfg.test_per_class)
     train_loader = data.DeviceLoader(train_set, cfg.batch_size, train=True, device=device, rank=rank,
-                                     world_size=world_size, seed=cfg.seed, pad=cfg.crop_pad)
+                                     world_size=world_size, seed=cfg.seed, pad=cfg.crop_pad, flip=cfg.flip)
     test_loader = data.DeviceLoader(test_set, 1024, train=False, device=device, rank=rank,
                                     world_size=world_size)
     if len(train_loader) == 0:
@@ -219,7 +231,8 @@ def build(cfg, device):
         total_steps = min(total_steps, cfg.max_steps)
 
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
-    model = models.build_model(cfg.model, cfg.width, whiten=cfg.whiten, identity_init=cfg.identity_init)
+    model = models.build_model(cfg.model, cfg.width, whiten=cfg.whiten, identity_init=cfg.identity_init,
+                               bn_weights=cfg.bn_weights)
     model = model.to(device, memory_format=torch.channels_last)
     # CUDA graphs: DDP is built on the stream the graph will be captured on (ddp_helpers.cuda_graph)
     side_stream = torch.cuda.Stream(device) if cfg.cuda_graph else None
@@ -232,18 +245,32 @@ def build(cfg, device):
                         **buffer_sync_option(cfg.broadcast_buffers))
             if cfg.comm_hook == "bf16":
                 model.register_comm_hook(None, default_hooks.bf16_compress_hook)
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, nesterov=True,
-                                weight_decay=cfg.weight_decay)
-    # Linear up for `warmup` of the steps from lr/10, then linear down to lr/1000.
+    groups = param_groups(model, cfg)
+    optimizer = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=True)
+    # Linear up for `warmup` of the steps from lr * lr_start, then linear down to lr * lr_end.
     scheduler = torch.optim.lr_scheduler.OneCycleLR(
-        optimizer, max_lr=cfg.lr, total_steps=total_steps, pct_start=cfg.warmup,
-        anneal_strategy="linear", cycle_momentum=False, div_factor=10, final_div_factor=100)
+        optimizer, max_lr=[g["lr"] for g in groups], total_steps=total_steps, pct_start=cfg.warmup,
+        anneal_strategy="linear", cycle_momentum=False, div_factor=1 / cfg.lr_start,
+        final_div_factor=cfg.lr_start / cfg.lr_end)
     t = Trainer(cfg, device, rank, world_size, model, optimizer, scheduler, train_loader, test_loader,
                 total_steps)
     t.forward_backward = functools.partial(forward_backward, t)
     if cfg.cuda_graph:
         t.forward_backward = CapturedStep(t.forward_backward, side_stream)
     return t
+
+
+def param_groups(model, cfg):
+    """The trained parameters in SGD groups: BatchNorm shifts at norm_bias_lr x lr (with weight
+    decay divided by as much, so that lr x decay, what decay takes per step, stays), the rest
+    at lr. Frozen parameters (requires_grad=False) are left out."""
+    norm_shifts = {id(m.bias) for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)}
+    trained = [p for p in model.parameters() if p.requires_grad]
+    shifts = [p for p in trained if id(p) in norm_shifts]
+    if cfg.norm_bias_lr == 1 or not shifts:
+        return [dict(params=trained, lr=cfg.lr, weight_decay=cfg.weight_decay)]
+    return [dict(params=[p for p in trained if id(p) not in norm_shifts], lr=cfg.lr, weight_decay=cfg.weight_decay),
+            dict(params=shifts, lr=cfg.lr * cfg.norm_bias_lr, weight_decay=cfg.weight_decay / cfg.norm_bias_lr)]
 
 
 def buffer_sync_option(enabled):
