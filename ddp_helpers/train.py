@@ -48,6 +48,11 @@ def option(default, help):
     return field(default=default, metadata={"help": help})
 
 
+# DDP communication hooks by name (Config.comm_hook): what DDP does with each bucket of gradients.
+COMM_HOOKS = {"none": None,  # DDP's own all-reduce
+              "bf16": default_hooks.bf16_compress_hook}
+
+
 @dataclass
 class Config:
     model: str = option("fastnet", "fastnet (small, fast) or resnet18")
@@ -82,7 +87,8 @@ class Config:
     bucket_cap_mb: float = option(25.0, "DDP: gradients are all-reduced in buckets of about this many MB")
     broadcast_buffers: bool = option(True, "DDP: send rank 0's buffers (BatchNorm statistics) to all ranks "
                                            "before every forward")
-    comm_hook: str = option("none", "DDP: none, or bf16 (gradients travel as bfloat16: half the bytes)")
+    comm_hook: str = option("none", "DDP: none, or bf16 (gradients travel as bfloat16: half the bytes); "
+                                    "more in COMM_HOOKS")
     cuda_graph: bool = option(False, "GPU only: record the forward and backward of a step once as a CUDA "
                                      "graph and replay it (removes Python's per-step cost; ddp_helpers.cuda_graph)")
     max_steps: Optional[int] = option(None, "stop after this many steps (the schedule is fitted to them)")
@@ -138,7 +144,7 @@ def check_config(cfg):
          "cuda_graph=True needs a GPU: CUDA graphs record GPU kernels")
     need(cfg.tta in (0, 1, 2), f"tta must be 0, 1 or 2, got {cfg.tta}")
     need(cfg.bucket_cap_mb > 0, f"bucket_cap_mb must be positive, got {cfg.bucket_cap_mb}")
-    need(cfg.comm_hook in ("none", "bf16"), f"comm_hook must be none or bf16, got {cfg.comm_hook!r}")
+    need(cfg.comm_hook in COMM_HOOKS, f"comm_hook must be one of {list(COMM_HOOKS)}, got {cfg.comm_hook!r}")
     for name in ("per_class", "test_per_class", "max_steps", "fail_at_step"):
         value = getattr(cfg, name)
         need(value is None or value >= 1, f"{name} must be at least 1 (or None for all), got {value}")
@@ -243,8 +249,8 @@ def build(cfg, device):
             model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                         gradient_as_bucket_view=True, bucket_cap_mb=cfg.bucket_cap_mb,
                         **buffer_sync_option(cfg.broadcast_buffers))
-            if cfg.comm_hook == "bf16":
-                model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+            if COMM_HOOKS[cfg.comm_hook]:
+                model.register_comm_hook(None, COMM_HOOKS[cfg.comm_hook])
     groups = param_groups(model, cfg)
     optimizer = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=True)
     # Linear up for `warmup` of the steps from lr * lr_start, then linear down to lr * lr_end.
