@@ -39,24 +39,11 @@ for name, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAS
 import torch  # noqa: E402
 import torchvision  # noqa: E402
 
-from ddp_helpers import data, launch, machine, train  # noqa: E402
+from ddp_helpers import data, launch, machine, recipes, train  # noqa: E402
 
-# The fast net's recipe, airbench94's ideas in our trainer (github.com/KellerJordan/cifar10-airbench):
-# its global batch (1024), whitening stem, identity init, frozen BatchNorm scales with 64x faster
-# shifts, lookahead, alternating flips, 2-pixel crops, label smoothing 0.2, its schedule (0.2 -> 1
-# at 23% -> 0.07) and its lr/momentum/decay rewritten for a mean loss (lr 1.5, momentum 0.85, decay
-# 1.33e-3). Chosen in a sweep on 2 H200s (3 seeds each, 2026-11-30): 10 epochs 90.59% in 1.53 s,
-# 11 epochs 90.83% in 1.67 s, 12 epochs 90.89% in 1.80 s; learnable BatchNorm scales cost 1.6 points
-# at 10 epochs, shifts at the normal rate 0.5, no lookahead 0.5.
-FAST_RECIPE = dict(model="fastnet", width=64, whiten=True, identity_init=True, bn_weights=False, batch_size=512,
-                   epochs=12, lr=1.5, momentum=0.85, weight_decay=1.33e-3, norm_bias_lr=64, lr_start=0.2,
-                   lr_end=0.07, warmup=0.23, label_smoothing=0.2, crop_pad=2, flip="alternate", lookahead=5,
-                   tta=2, cuda_graph=True)
-# ResNet-18: DDP without the buffer broadcast before every forward (each rank keeps its own BatchNorm
-# statistics: one collective less per step, +1.6% on 2 H200s) and 10 MB buckets (a smaller last bucket,
-# whose all-reduce cannot overlap anything; 25 MB and 50 MB measured within noise of it).
-RESNET = dict(model="resnet18", batch_size=256, lr=0.2, epochs=100, cuda_graph=True,   # epochs: enough for max_steps
-              broadcast_buffers=False, bucket_cap_mb=10.0)
+# The measured recipes (ddp_helpers/recipes.py says how they were chosen).
+FAST_RECIPE = recipes.FAST
+RESNET = dict(recipes.RESNET, epochs=100)   # epochs: enough for max_steps
 
 
 def parse_args(argv=None):
