@@ -522,6 +522,9 @@ def train(cfg):
     finally:
         if isinstance(t.forward_backward, CapturedStep):
             t.forward_backward.release()
+        # forward_backward refers back to t: without breaking that cycle the whole trainer (its data
+        # on the device included) would stay in memory until Python's garbage collector runs.
+        t.forward_backward = None
 
 
 def train_with(t):
