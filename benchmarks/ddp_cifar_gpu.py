@@ -55,7 +55,7 @@ def parse_args(argv=None):
                                  "temporary folder with --quick)")
     p.add_argument("--gpus", type=int, default=2, help="GPUs for the multi-GPU runs")
     p.add_argument("--repeats", type=int, default=3, help="ResNet-18 runs per GPU count")
-    p.add_argument("--steps", type=int, default=200, help="ResNet-18 steps per run")
+    p.add_argument("--steps", type=int, default=400, help="ResNet-18 steps per run")
     p.add_argument("--warmup-steps", type=int, default=50, help="ResNet-18 steps not counted")
     p.add_argument("--runs", type=int, default=5, help="timed fast-net runs (seeds) per GPU count")
     p.add_argument("--fast-epochs", type=int, help="fast-net epochs (default: the recipe's)")
