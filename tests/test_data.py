@@ -225,3 +225,52 @@ def test_loader_batches_are_normalised_floats():
     expected = (128 - 255 * torch.tensor(data.MEAN)) / (255 * torch.tensor(data.STD))  # a mid-grey pixel
     grey = data.normalize(torch.full((1, 3, 1, 1), 128, dtype=torch.uint8))
     assert torch.allclose(grey.flatten(), expected)
+
+
+def left_to_right(n):
+    """A split of n images that brighten from left to right (so a mirror shows), labelled 0..n-1."""
+    ramp = (8 * torch.arange(32)).to(torch.uint8).expand(n, 3, 32, 32)
+    return Split(ramp.clone(), torch.arange(n))
+
+
+def mirrored_this_epoch(loaders, epoch):
+    """{example: was it mirrored} over every rank's share of one epoch, and {example: rank}."""
+    mirrored, rank_of = {}, {}
+    for rank, loader in enumerate(loaders):
+        loader.set_epoch(epoch)
+        for images, labels in loader:
+            flipped = images[:, 0, 0, 0] > images[:, 0, 0, -1]  # darker on the right: read backwards
+            for example, f in zip(labels.tolist(), flipped.tolist()):
+                assert example not in mirrored, "an example twice in one epoch"
+                mirrored[example], rank_of[example] = f, rank
+    return mirrored, rank_of
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_alternating_flips_show_every_image_both_ways_over_two_epochs(world_size):
+    loaders = [DeviceLoader(left_to_right(64), 8, train=True, rank=r, world_size=world_size, pad=0,
+                            flip="alternate") for r in range(world_size)]
+    (even, ranks0), (odd, ranks1), (again, _) = [mirrored_this_epoch(loaders, epoch) for epoch in (0, 1, 2)]
+    assert sorted(even) == sorted(odd) == list(range(64))
+    assert all(even[i] != odd[i] for i in range(64))   # each image once mirrored, once not
+    assert again == even                                # epoch 2 repeats epoch 0's choice
+    assert 16 < sum(even.values()) < 48                 # a random half, not all or none
+    if world_size == 2:  # images that moved to the other rank kept the alternation: one draw for all ranks
+        assert sum(ranks0[i] != ranks1[i] for i in range(64)) > 10
+
+
+def test_no_flips_and_a_bad_flip_value():
+    loader = DeviceLoader(left_to_right(32), 8, train=True, pad=0, flip="none")
+    for epoch in (0, 1):
+        mirrored, _ = mirrored_this_epoch([loader], epoch)
+        assert len(mirrored) == 32 and not any(mirrored.values())
+    with pytest.raises(ValueError, match=r"flip must be one of .*'random', 'alternate', 'none'.*'sometimes'"):
+        DeviceLoader(left_to_right(32), 8, train=True, flip="sometimes")
+
+
+def test_augment_mirrors_exactly_the_images_a_mask_names():
+    images = asymmetric_images(12)
+    mask = torch.tensor([i % 3 == 0 for i in range(12)])
+    out = data.augment(images, pad=0, flip=mask, generator=torch.Generator().manual_seed(0))
+    for o, i, m in zip(out, images, mask.tolist()):
+        assert torch.equal(o, i.flip(-1) if m else i)

@@ -1,7 +1,9 @@
-"""ddp_helpers.models, train and live: DDP gradients, checkpoints, a short run, the CLI, the live view."""
+"""ddp_helpers.models, train and live: DDP gradients, checkpoints, a short run, the fast recipe's
+options, the CLI, the live view."""
 import copy
 import io
 import os
+import re
 import subprocess
 import sys
 
@@ -192,6 +194,41 @@ def test_identity_init_passes_channels_through():
     assert not torch.equal(plain[0](x := torch.randn(2, 3, 8, 8))[:, :3], x)
 
 
+def batch_norms(model):
+    return [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+
+
+def ids(params):
+    return sorted(id(p) for p in params)
+
+
+@pytest.mark.parametrize("norm_bias_lr", [1, 64])
+def test_frozen_batchnorm_scales_are_left_out_of_the_optimizer(norm_bias_lr):
+    model = models.FastNet(width=8, bn_weights=False)
+    scales = [n.weight for n in batch_norms(model)]
+    assert scales and not any(w.requires_grad for w in scales)
+    assert all(n.bias.requires_grad for n in batch_norms(model))       # the shifts still learn
+    others = [p for p in model.parameters() if all(p is not w for w in scales)]
+    assert all(p.requires_grad for p in others)
+    groups = train.param_groups(model, train.make_config(width=8, bn_weights=False, norm_bias_lr=norm_bias_lr))
+    assert ids(p for g in groups for p in g["params"]) == ids(others)
+    assert all(w.requires_grad for w in (n.weight for n in batch_norms(models.FastNet(width=8))))  # default
+
+
+def test_batchnorm_shifts_get_their_own_learning_rate_and_decay():
+    model = models.FastNet(width=8)
+    shifts = [n.bias for n in batch_norms(model)]
+    rest = [p for p in model.parameters() if all(p is not b for b in shifts)]
+    cfg = train.make_config(lr=0.3, weight_decay=5e-4, norm_bias_lr=64)
+    plain, fast = train.param_groups(model, cfg)
+    assert ids(plain["params"]) == ids(rest) and ids(fast["params"]) == ids(shifts)
+    assert (plain["lr"], plain["weight_decay"]) == (0.3, 5e-4)
+    assert fast["lr"] == pytest.approx(64 * 0.3) and fast["weight_decay"] == pytest.approx(5e-4 / 64)
+    assert fast["lr"] * fast["weight_decay"] == pytest.approx(plain["lr"] * plain["weight_decay"])  # same decay per step
+    (only,) = train.param_groups(model, train.make_config(lr=0.3, weight_decay=5e-4, norm_bias_lr=1))
+    assert ids(only["params"]) == ids(model.parameters()) and (only["lr"], only["weight_decay"]) == (0.3, 5e-4)
+
+
 @needs_mini
 def test_resume_with_lookahead_is_identical(tmp_path):
     (full, resumed), _ = launch(train_then_resume, world_size=2, backend="gloo", args=(str(tmp_path),),
@@ -200,6 +237,66 @@ def test_resume_with_lookahead_is_identical(tmp_path):
     assert resumed["test_accuracy"] == full["test_accuracy"]
     saved = torch.load(tmp_path / "full-0.pt", map_location="cpu", weights_only=True)
     assert len(saved["lookahead"]) == len([v for v in saved["model"].values() if v.is_floating_point()])
+
+
+def train_and_look_inside(settings):
+    """In each rank: train; return the record, every group's last lr, and the BatchNorm scales and shifts."""
+    t = train.build(train.make_config(**settings), torch.device("cpu"))
+    record = train.train_with(t)
+    norms = batch_norms(t.module)
+    return (record, [g["lr"] for g in t.optimizer.param_groups],
+            [n.weight.detach().clone() for n in norms], [n.bias.detach().clone() for n in norms])
+
+
+def one_cycle(step, total, lr, start, end, warmup):
+    """The lr of step `step` (1, 2, ...): linear from start*lr up to lr at step warmup*total,
+    then linear down to end*lr at the last step (OneCycleLR's linear schedule, written out)."""
+    i, top, last = step - 1, warmup * total - 1, total - 1
+    if i <= top:
+        return lr * (start + (1 - start) * i / top)
+    return lr * (1 + (end - 1) * (i - top) / (last - top))
+
+
+@needs_mini
+def test_schedule_runs_from_lr_start_up_to_lr_and_down_to_lr_end():
+    settings = dict(TINY, per_class=20, batch_size=10, epochs=2, log_every=1, eval_every=0,  # 40 steps
+                    lr=0.3, lr_start=0.2, lr_end=0.07, warmup=0.23, norm_bias_lr=64)
+    record, last_lrs, _, _ = launch(train_and_look_inside, world_size=1, backend="gloo", args=(settings,),
+                                    timeout=120, quiet=True)[0]
+    lrs = [s["lr"] for s in record["steps"]]   # the lr each step used (read before its optimizer step)
+    total = record["total_steps"]
+    assert len(lrs) == total == 40
+    assert lrs == pytest.approx([one_cycle(s, total, 0.3, 0.2, 0.07, 0.23) for s in range(1, total + 1)])
+    assert lrs[0] == pytest.approx(0.2 * 0.3) and lrs[-1] == pytest.approx(0.07 * 0.3)
+    peak = lrs.index(max(lrs))
+    rise = 0.3 * (1 - 0.2) / (0.23 * total - 1)           # the lr added per warm-up step
+    assert 0.3 - rise < lrs[peak] <= 0.3 and peak + 1 in (int(0.23 * total), int(0.23 * total) + 1)
+    assert all(a < b for a, b in zip(lrs[:peak], lrs[1:peak + 1]))   # up, then down
+    assert all(a > b for a, b in zip(lrs[peak:], lrs[peak + 1:]))
+    assert last_lrs[1] == pytest.approx(64 * last_lrs[0])              # BatchNorm shifts: 64x all along
+
+
+# The fast recipe's options (ddp_helpers.recipes.FAST): frozen BatchNorm scales (on GPUs, parameters
+# outside the graph's gradients), two parameter groups, lookahead writing the weights (between
+# replays), alternating flips.
+FAST_OPTIONS = dict(whiten=True, identity_init=True, bn_weights=False, norm_bias_lr=64, flip="alternate",
+                    lookahead=5, lr_start=0.2, lr_end=0.07, momentum=0.85)
+
+
+@needs_mini
+def test_fast_recipe_options_train_on_two_ranks_with_batchnorm_scales_fixed_at_one():
+    settings = dict(TINY, epochs=3, log_every=1, **FAST_OPTIONS)  # 10 steps per epoch on each rank
+    results = launch(train_and_look_inside, world_size=2, backend="gloo", args=(settings,), timeout=120, quiet=True)
+    steps = results[0][0]["steps"]
+    assert len(steps) == 30
+    first = sum(sum(s["loss"]) for s in steps[:5]) / 10  # mean over 5 steps and both ranks
+    last = sum(sum(s["loss"]) for s in steps[-5:]) / 10
+    assert last < first - 0.1, (first, last)
+    for record, _, scales, shifts in results:
+        assert record["test_accuracy"] > 0.15
+        assert all(torch.equal(w, torch.ones_like(w)) for w in scales)   # frozen: exactly 1 after training
+        assert all(b.abs().max() > 0 for b in shifts)                     # the shifts (0 at the start) learnt
+    assert all(torch.equal(a, b) for a, b in zip(results[0][3], results[1][3]))  # the ranks agree
 
 
 # ---------------------------------------------------------- settings, CLI
@@ -224,6 +321,15 @@ def test_unknown_or_bad_settings_are_clear_errors():
         train.make_config(bucket_cap_mb=0)
     with pytest.raises(ValueError, match="cuda_graph=True needs a GPU"):
         train.make_config(cuda_graph=True, device="cpu")
+    for settings, message in [
+            (dict(model="resnet18", bn_weights=False), "bn_weights=False is for model='fastnet' only"),
+            (dict(lr_start=0), "lr_start and lr_end are fractions of lr in (0, 1], got 0 and"),
+            (dict(lr_start=1.5), "lr_start and lr_end are fractions of lr in (0, 1], got 1.5 and"),
+            (dict(lr_end=0), "lr_start and lr_end are fractions of lr in (0, 1], got 0.1 and 0"),
+            (dict(norm_bias_lr=0), "norm_bias_lr must be positive, got 0"),
+            (dict(flip="sometimes"), "flip must be one of ('random', 'alternate', 'none'), got 'sometimes'")]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            train.make_config(**settings)
 
 
 @pytest.mark.skipif(machine.gpu_count() > 0, reason="this machine has a GPU")
@@ -322,12 +428,6 @@ needs_2_gpus = pytest.mark.skipif(machine.gpu_count() < 2, reason="needs 2 CUDA 
 def losses_and_accuracy(settings):
     record = train.run(**settings)
     return [s["loss"][0] for s in record["steps"]], record["test_accuracy"]
-
-
-# The fast recipe's options: frozen BatchNorm scales (parameters outside the graph's gradients),
-# two parameter groups, lookahead writing the weights between replays, alternating flips.
-FAST_OPTIONS = dict(whiten=True, identity_init=True, bn_weights=False, norm_bias_lr=64, flip="alternate",
-                    lookahead=5, lr_start=0.2, lr_end=0.07, momentum=0.85)
 
 
 @needs_gpu

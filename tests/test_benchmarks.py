@@ -1,0 +1,77 @@
+"""benchmarks/ddp_cifar_gpu.py and ddp_overhead_gpu.py: their --quick CPU check runs end to end and
+writes sensible JSON; bad --fast-set values stop the script at once with a clear error."""
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ddp_helpers import data
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MINI = os.environ.get(data.ENV_VAR)
+needs_mini = pytest.mark.skipif(
+    not MINI, reason=f"{data.ENV_VAR} is not set: .ci/run extracts the offline CIFAR-10 subset and sets it")
+
+
+def benchmark(script, *args, timeout=180):
+    """Run benchmarks/<script> with this Python; returns the finished process (text output)."""
+    return subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", script), *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def images_in(folder):
+    return sum(len(files) for _, _, files in os.walk(folder))
+
+
+@needs_mini
+def test_ddp_cifar_gpu_quick_writes_its_report(tmp_path):
+    done = benchmark("ddp_cifar_gpu.py", "--quick", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "ddp_cifar_gpu.json").read_text())
+    assert report["quick_check_only"] is True
+    assert report["data"]["train_images"] == images_in(os.path.join(MINI, "train"))
+
+    rows, summary = report["rows"], report["summary"]
+    resnet = {r["gpus"]: r for r in rows if r["experiment"] == "resnet18_throughput"}
+    fast = [r for r in rows if r["experiment"] == "fastnet_time_to_accuracy"]
+    assert sorted(resnet) == [1, 2] and all(r["images_per_s"] > 0 for r in resnet.values())
+    assert len(fast) == 4 and all(0 <= r["test_accuracy"] <= 1 and r["seconds"] > 0 for r in fast)  # 2 seeds x 2 counts
+    assert summary["resnet18_scaling_efficiency"] == pytest.approx(
+        resnet[2]["images_per_s"] / (2 * resnet[1]["images_per_s"]))
+    for gpus in (1, 2):
+        accuracies = [r["test_accuracy"] for r in fast if r["gpus"] == gpus]
+        assert summary[f"fastnet_accuracy_mean_{gpus}gpu"] == pytest.approx(sum(accuracies) / len(accuracies))
+    assert all(len(c) > 0 and "loss" in c[0] for c in report["curves"].values())
+    with open(tmp_path / "ddp_cifar_gpu.csv", newline="") as f:
+        assert len(list(csv.DictReader(f))) == len(rows)
+
+
+@needs_mini
+def test_ddp_overhead_gpu_quick_writes_three_cases(tmp_path):
+    done = benchmark("ddp_overhead_gpu.py", "--quick", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "ddp_overhead_gpu.json").read_text())
+    assert report["quick_check_only"] is True
+    summary = report["summary"]
+    assert len(summary) == 3 and "1 GPU" in summary
+    one = summary["1 GPU"]["images_per_s"]
+    for case in summary.values():
+        assert len(case["runs"]) == report["settings"]["repeats"] and all(r > 0 for r in case["runs"])
+        assert case["images_per_s"] == pytest.approx(sum(case["runs"]) / len(case["runs"]))
+        assert case["of_2x_one_gpu"] == pytest.approx(case["images_per_s"] / (2 * one))
+
+
+@pytest.mark.parametrize("setting, message", [("epochs=zero", "epochs takes a"),
+                                              ("nosuch=1", "unknown setting 'nosuch'")])
+def test_a_bad_fast_setting_stops_before_anything_runs(tmp_path, setting, message):
+    start = time.perf_counter()
+    done = benchmark("ddp_cifar_gpu.py", "--quick", "--out", str(tmp_path / "out"), "--fast-set", setting, timeout=60)
+    assert time.perf_counter() - start < 20  # importing torch, nothing more
+    assert done.returncode == 2 and done.stdout == ""  # the script's first print comes after the checks
+    errors = [line for line in done.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and message in errors[0] and "Traceback" not in done.stderr, done.stderr
+    assert not (tmp_path / "out").exists()
