@@ -66,8 +66,14 @@ def parse_args(argv=None):
                    help="change a fast-net setting, e.g. epochs=14; repeatable")
     args = p.parse_args(argv)
     try:
-        args.resnet = dict(RESNET, **settings_from(args.resnet_set))
+        # Losses are gathered (and the GPU waited for) every 25 steps: rarely enough not to slow it.
+        args.resnet = dict(RESNET, log_every=25, **settings_from(args.resnet_set))
         args.fast = dict(FAST_RECIPE, **settings_from(args.fast_set))
+        if args.fast_epochs:
+            args.fast["epochs"] = args.fast_epochs
+        if args.quick:  # what runs is what the JSON records
+            args.resnet.update(batch_size=8, log_every=1, cuda_graph=False)
+            args.fast.update(width=8, batch_size=50, epochs=2, cuda_graph=False)
         for settings in (args.resnet, args.fast):  # bad values fail here, before any process starts
             train.make_config(**dict(settings, cuda_graph=settings["cuda_graph"] and machine.gpu_count() > 0))
     except (TypeError, ValueError) as err:
@@ -85,6 +91,9 @@ def parse_args(argv=None):
     return args
 
 
+BOOLEANS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+
 def settings_from(pairs):
     """["epochs=14", "tta=2", "whiten=false"] -> {"epochs": 14, "tta": 2, "whiten": False}, typed as Config's fields."""
     names = {f.name for f in dataclasses.fields(train.Config)}
@@ -94,10 +103,15 @@ def settings_from(pairs):
         if name not in names:
             raise ValueError(f"unknown setting {name!r} in {pair!r}")
         kind = train.setting_type(name)
+        if kind is bool:
+            if text.lower() not in BOOLEANS:
+                raise ValueError(f"{name} is true or false, got {text!r}")
+            out[name] = BOOLEANS[text.lower()]
+            continue
         try:
-            out[name] = text.lower() in ("1", "true", "yes") if kind is bool else kind(text)
+            out[name] = kind(text)
         except ValueError:
-            raise ValueError(f"{name} takes a {kind.__name__}, got {text!r}") from None
+            raise ValueError(f"{name} takes {kind.__name__} values, got {text!r}") from None
     return out
 
 
@@ -131,10 +145,7 @@ def run_resnet(args, common, backend):
     """CUDA-graph steps `--repeats` times per GPU count (the headline), then eager steps once
     per GPU count: how much of a step was Python's time, not the GPU's."""
     rows, curves = [], {}
-    # Losses are gathered (and the GPU waited for) every 25 steps: rarely enough not to slow it.
-    settings = dict(common, **args.resnet, max_steps=args.steps, log_every=25, eval_every=0)
-    if args.quick:
-        settings.update(batch_size=8, log_every=1, cuda_graph=False)
+    settings = dict(common, **args.resnet, max_steps=args.steps, eval_every=0)
     plan = [(graph, repeat) for repeat in range(args.repeats) for graph in [settings["cuda_graph"]]]
     if settings["cuda_graph"]:
         plan.append((False, 0))
@@ -155,10 +166,7 @@ def run_resnet(args, common, backend):
 
 def run_fast(args, common, backend):
     rows, curves = [], {}
-    settings = dict(common, **dict(args.fast, epochs=args.fast_epochs or args.fast["epochs"]),
-                    eval_every=0, log_every=1000)
-    if args.quick:
-        settings.update(width=8, batch_size=50, epochs=2, cuda_graph=False)
+    settings = dict(common, **args.fast, eval_every=0, log_every=1000)
     for gpus in (args.gpus, 1):
         per_gpu = dict(settings, batch_size=settings["batch_size"] * args.gpus // gpus)  # same global batch
         records = launch(timed_fast_runs, world_size=gpus, backend=backend,
@@ -259,7 +267,7 @@ def main(argv=None):
               "quick_check_only": args.quick, "machine": describe_machine(), "data": describe_data(args.data),
               "settings": {"resnet18": dict(args.resnet, max_steps=args.steps, warmup_steps=args.warmup_steps,
                                             repeats=args.repeats),
-                           "fastnet": dict(args.fast, epochs=args.fast_epochs or args.fast["epochs"], runs=args.runs)},
+                           "fastnet": dict(args.fast, runs=args.runs)},
               "summary": summary, "rows": rows, "curves": {**resnet_curves, **fast_curves},
               "wall_seconds": time.perf_counter() - started}
     write(args, report, rows)

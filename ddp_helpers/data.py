@@ -273,7 +273,7 @@ class DeviceLoader:
                  the same number of steps, or DDP's all-reduces would wait forever).
     train=False: every image exactly once across ranks (rank r takes r, r+W, r+2W, ...),
                  no augmentation, last batch kept: metrics summed over ranks are exact.
-    flip: "random" (each image mirrored with probability 1/2, anew every epoch), "none", or
+    flip: "random" (each image mirrored with probability 1/2, anew every epoch; or True), "none" (or False), or
           "alternate": a random half mirrored in even epochs, the other half in odd ones, so
           over two epochs every image is seen both ways (airbench's trick; fewer repeats).
     """
@@ -281,6 +281,8 @@ class DeviceLoader:
 
     def __init__(self, split, batch_size, train, device="cpu", rank=0, world_size=1, seed=0,
                  pad=4, flip="random"):
+        if isinstance(flip, bool):  # the older spelling
+            flip = "random" if flip else "none"
         if flip not in self.FLIPS:
             raise ValueError(f"flip must be one of {self.FLIPS}, got {flip!r}")
         self.images = split.images.to(device)

@@ -46,6 +46,11 @@ def test_ddp_cifar_gpu_quick_writes_its_report(tmp_path):
         accuracies = [r["test_accuracy"] for r in fast if r["gpus"] == gpus]
         assert summary[f"fastnet_accuracy_mean_{gpus}gpu"] == pytest.approx(sum(accuracies) / len(accuracies))
     assert all(len(c) > 0 and "loss" in c[0] for c in report["curves"].values())
+    # The settings recorded are the ones that ran (the quick check's small ones, not the full recipe)
+    fast_settings = report["settings"]["fastnet"]
+    assert fast_settings["width"] == 8 and fast_settings["cuda_graph"] is False
+    assert fast_settings["batch_size"] * 2 == fast[0]["batch_per_gpu"] * fast[0]["gpus"]
+    assert report["settings"]["resnet18"]["batch_size"] == resnet[1]["batch_per_gpu"]
     with open(tmp_path / "ddp_cifar_gpu.csv", newline="") as f:
         assert len(list(csv.DictReader(f))) == len(rows)
 
@@ -65,7 +70,8 @@ def test_ddp_overhead_gpu_quick_writes_three_cases(tmp_path):
         assert case["of_2x_one_gpu"] == pytest.approx(case["images_per_s"] / (2 * one))
 
 
-@pytest.mark.parametrize("setting, message", [("epochs=zero", "epochs takes a"),
+@pytest.mark.parametrize("setting, message", [("epochs=zero", "epochs takes int values"),
+                                              ("whiten=ture", "whiten is true or false"),
                                               ("nosuch=1", "unknown setting 'nosuch'")])
 def test_a_bad_fast_setting_stops_before_anything_runs(tmp_path, setting, message):
     start = time.perf_counter()

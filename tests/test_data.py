@@ -266,6 +266,9 @@ def test_no_flips_and_a_bad_flip_value():
         assert len(mirrored) == 32 and not any(mirrored.values())
     with pytest.raises(ValueError, match=r"flip must be one of .*'random', 'alternate', 'none'.*'sometimes'"):
         DeviceLoader(left_to_right(32), 8, train=True, flip="sometimes")
+    # The older spelling still works: True is "random", False is "none"
+    assert DeviceLoader(left_to_right(32), 8, train=True, flip=True).flip == "random"
+    assert DeviceLoader(left_to_right(32), 8, train=True, flip=False).flip == "none"
 
 
 def test_augment_mirrors_exactly_the_images_a_mask_names():

@@ -1,11 +1,13 @@
 """ddp_helpers.models, train and live: DDP gradients, checkpoints, a short run, the fast recipe's
 options, the CLI, the live view."""
 import copy
+import gc
 import io
 import os
 import re
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
@@ -13,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_helpers import data, launch, live, machine, models, torchrun, train
+from ddp_helpers import data, launch, live, machine, models, recipes, torchrun, train
 from like_torchrun import run_module_like_torchrun
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -134,6 +136,41 @@ def test_short_cpu_training_lowers_the_loss_and_shows_progress(capsys):
     assert train.METRICS_PREFIX not in printed  # metric lines are taken out of the output
     figure = live.plot(record)
     assert len(figure.axes) == 3 and live.png(figure)[:4] == b"\x89PNG"
+
+
+def trainer_freed_without_the_garbage_collector():
+    """Inside a rank: a finished run's trainer (model, data on the device) must not wait for gc."""
+    built = []
+    real_build = train.build
+
+    def build(cfg, device):
+        t = real_build(cfg, device)
+        built.append(weakref.ref(t))
+        return t
+
+    train.build = build
+    train.run(**TINY, epochs=1)   # first run: lazy imports and caches settle
+    gc.collect()
+    gc.disable()
+    try:
+        train.run(**TINY, epochs=1, lookahead=2)
+        return built[1]() is None
+    finally:
+        gc.enable()
+        train.build = real_build
+
+
+@needs_mini
+def test_a_finished_run_frees_its_trainer_at_once():
+    assert launch(trainer_freed_without_the_garbage_collector, world_size=2, backend="gloo",
+                  timeout=120, quiet=True) == [True, True]
+
+
+@pytest.mark.parametrize("name", ["FAST", "RESNET"])
+def test_the_measured_recipes_are_valid_settings(name):
+    settings = dict(getattr(recipes, name), cuda_graph=False)   # this machine may have no GPU
+    cfg = train.make_config(**settings)
+    assert all(getattr(cfg, key) == value for key, value in settings.items())
 
 
 def train_then_resume(folder, **extra):
