@@ -23,16 +23,22 @@ def benchmark(script, *args, timeout=180):
                           capture_output=True, text=True, timeout=timeout)
 
 
+def quick_report(script, tmp_path):
+    """Run `script --quick`, check it succeeded, return the JSON it wrote (named after the script)."""
+    done = benchmark(script, "--quick", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / script.replace(".py", ".json")).read_text())
+    assert report["quick_check_only"] is True
+    return report
+
+
 def images_in(folder):
     return sum(len(files) for _, _, files in os.walk(folder))
 
 
 @needs_mini
 def test_ddp_cifar_gpu_quick_writes_its_report(tmp_path):
-    done = benchmark("ddp_cifar_gpu.py", "--quick", "--out", str(tmp_path))
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads((tmp_path / "ddp_cifar_gpu.json").read_text())
-    assert report["quick_check_only"] is True
+    report = quick_report("ddp_cifar_gpu.py", tmp_path)
     assert report["data"]["train_images"] == images_in(os.path.join(MINI, "train"))
 
     rows, summary = report["rows"], report["summary"]
@@ -57,10 +63,7 @@ def test_ddp_cifar_gpu_quick_writes_its_report(tmp_path):
 
 @needs_mini
 def test_ddp_overhead_gpu_quick_writes_three_cases(tmp_path):
-    done = benchmark("ddp_overhead_gpu.py", "--quick", "--out", str(tmp_path))
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads((tmp_path / "ddp_overhead_gpu.json").read_text())
-    assert report["quick_check_only"] is True
+    report = quick_report("ddp_overhead_gpu.py", tmp_path)
     summary = report["summary"]
     assert len(summary) == 3 and "1 GPU" in summary
     one = summary["1 GPU"]["images_per_s"]
