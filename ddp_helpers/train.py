@@ -244,7 +244,7 @@ def build(cfg, device):
     side_stream = torch.cuda.Stream(device) if cfg.cuda_graph else None
     if world_size > 1:  # with one process DDP would only add work
         # gradient_as_bucket_view: gradients live inside DDP's all-reduce buckets, which saves
-        # copying them in and out every step.
+        # copying them back out every step (each new gradient is still copied in).
         with torch.cuda.stream(side_stream) if side_stream else contextlib.nullcontext():
             model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                         gradient_as_bucket_view=True, bucket_cap_mb=cfg.bucket_cap_mb,
