@@ -41,8 +41,7 @@ import torchvision  # noqa: E402
 
 from ddp_helpers import data, launch, machine, recipes, train  # noqa: E402
 
-# The measured recipes (ddp_helpers/recipes.py says how they were chosen).
-FAST_RECIPE = recipes.FAST
+# The measured recipes are in ddp_helpers/recipes.py, with how they were chosen.
 RESNET = dict(recipes.RESNET, epochs=100)   # epochs: enough for max_steps
 
 
@@ -68,7 +67,7 @@ def parse_args(argv=None):
     try:
         # Losses are gathered (and the GPU waited for) every 25 steps: rarely enough not to slow it.
         args.resnet = dict(RESNET, log_every=25, **settings_from(args.resnet_set))
-        args.fast = dict(FAST_RECIPE, **settings_from(args.fast_set))
+        args.fast = dict(recipes.FAST, **settings_from(args.fast_set))
         if args.fast_epochs:
             args.fast["epochs"] = args.fast_epochs
         if args.quick:  # what runs is what the JSON records

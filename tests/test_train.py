@@ -316,8 +316,8 @@ def test_schedule_runs_from_lr_start_up_to_lr_and_down_to_lr_end():
 # The fast recipe's options (ddp_helpers.recipes.FAST): frozen BatchNorm scales (on GPUs, parameters
 # outside the graph's gradients), two parameter groups, lookahead writing the weights (between
 # replays), alternating flips.
-FAST_OPTIONS = dict(whiten=True, identity_init=True, bn_weights=False, norm_bias_lr=64, flip="alternate",
-                    lookahead=5, lr_start=0.2, lr_end=0.07, momentum=0.85)
+FAST_OPTIONS = {name: recipes.FAST[name] for name in ("whiten", "identity_init", "bn_weights", "norm_bias_lr",
+                                                       "flip", "lookahead", "lr_start", "lr_end", "momentum")}
 
 
 @needs_mini
