@@ -1,6 +1,6 @@
 """Replay each training step's forward and backward as one CUDA graph (GPU runs only).
 
-    stream = torch.cuda.Stream()
+    stream = side_stream(device)
     with torch.cuda.stream(stream):
         model = DDP(model)                    # DDP is built on the stream the graph is captured on
     step = CapturedStep(forward_backward, stream)   # forward_backward(images, labels) -> loss
@@ -33,9 +33,20 @@ DistributedDataParallel"; https://pytorch.org/docs/stable/notes/cuda.html#cuda-g
 The optimizer step stays outside the graph: a handful of foreach kernels, and the learning
 rate keeps coming from the scheduler as a Python number.
 """
+import functools
+
 import torch
 
 EAGER_STEPS = 11   # DDP's requirement before capturing its backward
+
+
+@functools.lru_cache(maxsize=None)
+def side_stream(device):
+    """One side stream per GPU for the life of the process. PyTorch gives every (cuBLAS handle,
+    stream) pair a workspace of its own and keeps it until the process ends
+    (aten/src/ATen/cuda/CublasHandlePool.cpp), so a new stream for every run would leave
+    one more workspace behind each time: in a notebook kernel, or a benchmark's repeated runs."""
+    return torch.cuda.Stream(device)
 
 
 class CapturedStep:

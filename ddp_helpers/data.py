@@ -269,6 +269,12 @@ class DeviceLoader:
     then served in slices: no worker processes, no copies from the host, the GPU never
     waits for data. Works the same with device="cpu".
 
+    The next epoch's order is drawn halfway through this one, while the GPU still has
+    steps queued. Drawing it takes the CPU milliseconds (the sampler's shuffle is a Python
+    list); at the epoch's end, where the training loop waits for the GPU to log, the GPU
+    would sit idle that long (9 ms per epoch measured on an H200 host: 1.8% of the time of
+    an epoch of ResNet-18 on 2 GPUs).
+
     train=True:  shuffled, augmented, incomplete last batch dropped (every rank must take
                  the same number of steps, or DDP's all-reduces would wait forever).
     train=False: every image exactly once across ranks (rank r takes r, r+W, r+2W, ...),
@@ -291,6 +297,7 @@ class DeviceLoader:
         self.rank, self.seed, self.pad, self.flip = rank, seed, pad, flip
         self.world_size = world_size
         self.epoch = 0
+        self.drawn = None  # (epoch, order on the device): the next epoch's order, drawn early
         if flip == "alternate":  # one draw for all epochs, the same on every rank (seeded on the CPU)
             first = torch.rand(len(self.labels), generator=torch.Generator().manual_seed(seed)) < 0.5
             self.mirrored_in_even_epochs = first.to(device)
@@ -322,11 +329,25 @@ class DeviceLoader:
         share = len(range(self.rank, len(self.labels), self.world_size))
         return -(-share // self.batch_size)
 
-    def __iter__(self):
+    def order_on_device(self):
+        """This epoch's examples for this rank, in order, whole batches only, on the device."""
         order = self.indices()[:len(self) * self.batch_size]
         if self.device.type == "cuda":  # from pinned memory the copy does not wait for the GPU to be idle
             order = order.pin_memory()
-        order = order.to(self.device, non_blocking=True)
+        return order.to(self.device, non_blocking=True)
+
+    def draw_next_epoch(self):
+        """Draw the next epoch's order now (see the class's docstring for why)."""
+        self.sampler.set_epoch(self.epoch + 1)
+        self.drawn = (self.epoch + 1, self.order_on_device())
+        self.sampler.set_epoch(self.epoch)
+
+    def __iter__(self):
+        if self.drawn is not None and self.drawn[0] == self.epoch:
+            order = self.drawn[1]
+        else:
+            order = self.order_on_device()
+        self.drawn = None
         images, labels = self.images[order], self.labels[order]
         if self.train:
             # One random stream per (seed, epoch, rank): a resumed run augments exactly as before.
@@ -336,5 +357,7 @@ class DeviceLoader:
         else:
             images = images.contiguous(memory_format=torch.channels_last)
         images = normalize(images)
-        for start in range(0, len(order), self.batch_size):
+        for i, start in enumerate(range(0, len(order), self.batch_size)):
             yield images[start:start + self.batch_size], labels[start:start + self.batch_size]
+            if self.train and i == len(self) // 2:
+                self.draw_next_epoch()

@@ -38,7 +38,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import data, models
-from .cuda_graph import CapturedStep
+from .cuda_graph import CapturedStep, side_stream
 from .launcher import loopback_interface
 
 METRICS_PREFIX = "@@ddp_helpers.metrics "   # lines the live view (ddp_helpers.live) picks up
@@ -241,11 +241,11 @@ def build(cfg, device):
                                bn_weights=cfg.bn_weights)
     model = model.to(device, memory_format=torch.channels_last)
     # CUDA graphs: DDP is built on the stream the graph will be captured on (ddp_helpers.cuda_graph)
-    side_stream = torch.cuda.Stream(device) if cfg.cuda_graph else None
+    stream = side_stream(device) if cfg.cuda_graph else None
     if world_size > 1:  # with one process DDP would only add work
         # gradient_as_bucket_view: gradients live inside DDP's all-reduce buckets, which saves
         # copying them back out every step (each new gradient is still copied in).
-        with torch.cuda.stream(side_stream) if side_stream else contextlib.nullcontext():
+        with torch.cuda.stream(stream) if stream else contextlib.nullcontext():
             model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                         gradient_as_bucket_view=True, bucket_cap_mb=cfg.bucket_cap_mb,
                         **buffer_sync_option(cfg.broadcast_buffers))
@@ -262,7 +262,7 @@ def build(cfg, device):
                 total_steps)
     t.forward_backward = functools.partial(forward_backward, t)
     if cfg.cuda_graph:
-        t.forward_backward = CapturedStep(t.forward_backward, side_stream)
+        t.forward_backward = CapturedStep(t.forward_backward, stream)
     return t
 
 

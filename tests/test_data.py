@@ -162,6 +162,28 @@ def test_set_epoch_reshuffles_and_same_epoch_repeats():
     assert seen(loader) == first                  # deterministic: resuming at epoch 0 replays it
 
 
+def test_next_epoch_order_is_drawn_halfway_and_matches_a_fresh_draw():
+    loader = DeviceLoader(numbered(64), 8, train=True, rank=1, world_size=2)   # 4 batches per epoch
+    draws, draw, taken = [], loader.order_on_device, [0]   # (epoch drawn, batches taken so far)
+    loader.order_on_device = lambda: draws.append((loader.sampler.epoch, taken[0])) or draw()
+    orders = []
+    for epoch in range(3):
+        loader.set_epoch(epoch)
+        served = []
+        for _, labels in loader:
+            taken[0] += 1
+            served += labels.tolist()
+        orders.append(served)
+    # epoch 0 drawn at its start; each next one after the 3rd of an epoch's 4 batches was taken
+    assert draws == [(0, 0), (1, 3), (2, 7), (3, 11)]
+    for epoch in range(3):   # the same orders as loaders that never drew ahead
+        fresh = DeviceLoader(numbered(64), 8, train=True, rank=1, world_size=2)
+        fresh.set_epoch(epoch)
+        assert seen(fresh) == orders[epoch]
+    loader.set_epoch(0)      # a jump (here back to epoch 0) ignores the order drawn for epoch 3
+    assert seen(loader) == orders[0]
+
+
 def test_test_loader_covers_every_example_once_even_when_uneven():
     split = numbered(50)
     shares = [seen(DeviceLoader(split, 4, train=False, rank=r, world_size=3)) for r in range(3)]
