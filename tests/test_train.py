@@ -501,6 +501,7 @@ def peak_memory_of_runs(settings, runs):
 def test_repeated_cuda_graph_runs_in_one_process_do_not_grow_memory():
     # Each new stream got a cuBLAS workspace of its own that lived until the process ended:
     # with a new side stream per run, the peak grew by ~70 MB a run (2 H200s, torch 2.11).
+    # The first run is left out: it leaves one-time allocations behind (+58 MB, then flat).
     settings = dict(TINY, per_class=200, batch_size=50, epochs=1, device="cuda", cuda_graph=True)
-    peaks = launch(peak_memory_of_runs, world_size=1, backend="nccl", args=(settings, 3), timeout=120, quiet=True)[0]
-    assert peaks[2] - peaks[0] < 0.016, peaks   # GB
+    peaks = launch(peak_memory_of_runs, world_size=1, backend="nccl", args=(settings, 4), timeout=120, quiet=True)[0]
+    assert peaks[3] - peaks[1] < 0.016, peaks   # GB
