@@ -8,7 +8,8 @@ batch_size=1024 // gpus on other counts). It is airbench94's ideas rebuilt in ou
 BatchNorm scales with 64x faster shifts, lookahead, alternating flips, 2-pixel crops, label smoothing
 0.2, its schedule (0.2 -> 1 at 23% -> 0.07), and its learning rate, momentum and decay rewritten
 for a mean loss. In a sweep on 2 H200s (3 seeds each, JPEG copy, 2026-11-30): 10 epochs gave
-90.59% in 1.53 s, 11 epochs 90.83% in 1.67 s, 12 epochs 90.89% in 1.80 s. Against the same 10
+90.59% in 1.53 s, 11 epochs 90.83% in 1.67 s, 12 epochs 90.89% in 1.80 s (1.69 s since the loader
+draws each epoch's order early: notebooks/reference/ddp_cifar_gpu.json). Against the same 10
 epochs, learnable BatchNorm scales cost 1.6 points, shifts at the normal rate 0.5, no lookahead 0.5.
 
 RESNET: ResNet-18 throughput runs, 256 images per GPU. No buffer broadcast before every forward
