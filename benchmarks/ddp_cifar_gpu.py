@@ -1,6 +1,6 @@
 """DDP on CIFAR-10 with GPUs: ResNet-18 scaling efficiency, the fast net's time to accuracy, memory.
 
-    python benchmarks/ddp_cifar_gpu.py --data /path/to/cifar10-jpeg    # 1 and 2 GPUs, NCCL, ~3 min
+    python benchmarks/ddp_cifar_gpu.py --data /path/to/cifar10-jpeg    # 1 and 2 GPUs, NCCL, ~4 min
     python benchmarks/ddp_cifar_gpu.py --quick                         # CPU, Gloo, tiny: checks the script
 
 Measures, with real data kept on each GPU (ddp_helpers.data.DeviceLoader) and the training
@@ -53,7 +53,7 @@ def parse_args(argv=None):
     p.add_argument("--out", help="folder for the CSV and JSON (default notebooks/reference, or a "
                                  "temporary folder with --quick)")
     p.add_argument("--gpus", type=int, default=2, help="GPUs for the multi-GPU runs")
-    p.add_argument("--repeats", type=int, default=3, help="ResNet-18 runs per GPU count")
+    p.add_argument("--repeats", type=int, default=6, help="ResNet-18 runs per GPU count (the 1-GPU figure varies ~0.5%% run to run)")
     p.add_argument("--steps", type=int, default=400, help="ResNet-18 steps per run")
     p.add_argument("--warmup-steps", type=int, default=50, help="ResNet-18 steps not counted")
     p.add_argument("--runs", type=int, default=5, help="timed fast-net runs (seeds) per GPU count")
