@@ -467,18 +467,24 @@ def losses_and_accuracy(settings):
     return [s["loss"][0] for s in record["steps"]], record["test_accuracy"]
 
 
+def eager_twice_then_graph(settings):
+    return [losses_and_accuracy(s)[0] for s in (settings, settings, dict(settings, cuda_graph=True))]
+
+
 @needs_gpu
 @needs_mini
 @pytest.mark.parametrize("options", [{}, FAST_OPTIONS], ids=["defaults", "fast-recipe-options"])
 def test_cuda_graph_steps_follow_the_eager_steps(options):
     settings = dict(TINY, per_class=200, batch_size=50, epochs=1, device="cuda", log_every=1, **options)  # 40 steps
-    eager, _ = launch(losses_and_accuracy, world_size=1, backend="nccl", args=(settings,), timeout=120, quiet=True)[0]
-    graph, _ = launch(losses_and_accuracy, world_size=1, backend="nccl", args=(dict(settings, cuda_graph=True),),
-                      timeout=120, quiet=True)[0]
+    eager, eager_again, graph = launch(eager_twice_then_graph, world_size=1, backend="nccl", args=(settings,),
+                                       timeout=120, quiet=True)[0]
     assert len(eager) == len(graph) == 40
-    # Steps 1-11 run eagerly in both; then recorded and replayed: the same arithmetic, up to
-    # cuDNN picking other algorithms (bf16), so close, not equal.
-    assert max(abs(a - b) for a, b in zip(eager, graph)) < 0.05, (eager, graph)
+    # Steps 1-11 run eagerly in both; then recorded and replayed: the same arithmetic. In one
+    # process (cuDNN's algorithm choices made once) the losses came out bit-identical on an H200
+    # with torch 2.11; in separate processes they differed by up to 0.054 (other algorithms, bf16).
+    # Where some algorithm adds in no fixed order, two eager runs differ too: that much is allowed.
+    noise = max(abs(a - b) for a, b in zip(eager, eager_again))
+    assert max(abs(a - b) for a, b in zip(eager, graph)) < 2 * noise + 0.01, (noise, eager, graph)
     assert sum(graph[-5:]) < sum(graph[:5])
 
 
