@@ -42,7 +42,9 @@ import torchvision  # noqa: E402
 from ddp_helpers import data, launch, machine, recipes, train  # noqa: E402
 
 # The measured recipes are in ddp_helpers/recipes.py, with how they were chosen.
-RESNET = dict(recipes.RESNET, epochs=100)   # epochs: enough for max_steps
+# epochs: enough for max_steps. Losses are gathered (and the GPU waited for) every 25 steps:
+# rarely enough not to slow it.
+RESNET = dict(recipes.RESNET, epochs=100, log_every=25)
 
 
 def parse_args(argv=None):
@@ -65,8 +67,7 @@ def parse_args(argv=None):
                    help="change a fast-net setting, e.g. epochs=14; repeatable")
     args = p.parse_args(argv)
     try:
-        # Losses are gathered (and the GPU waited for) every 25 steps: rarely enough not to slow it.
-        args.resnet = dict(RESNET, log_every=25, **settings_from(args.resnet_set))
+        args.resnet = dict(RESNET, **settings_from(args.resnet_set))
         args.fast = dict(recipes.FAST, **settings_from(args.fast_set))
         if args.fast_epochs:
             args.fast["epochs"] = args.fast_epochs

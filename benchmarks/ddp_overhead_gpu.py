@@ -70,8 +70,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     started = time.perf_counter()
-    settings = dict(bench.RESNET, data=args.data, verbose=False, max_steps=args.steps, log_every=25, eval_every=0,
-                    device="cuda")
+    settings = dict(bench.RESNET, data=args.data, verbose=False, max_steps=args.steps, eval_every=0, device="cuda")
     if args.quick:
         settings.update(device="cpu", cuda_graph=False, batch_size=8, log_every=1, per_class=20, test_per_class=10)
     backend = "gloo" if args.quick else "nccl"

@@ -40,6 +40,8 @@ def parse_args(argv=None):
     p.add_argument("--work", default=os.path.join(REPO, "peers", "airbench-work"),
                    help="folder for its data files (keep it git-ignored)")
     p.add_argument("--out", default=os.path.join(REPO, "notebooks", "reference"), help="folder for the JSON")
+    p.add_argument("--commit", help="airbench's git commit, for the record (default: asked of git where "
+                                    "--airbench lies; give it where that copy has no .git, e.g. a copied folder)")
     args = p.parse_args(argv)
     if not os.path.isfile(args.airbench):
         p.error(f"no file at --airbench {args.airbench}")
@@ -93,7 +95,7 @@ def main(argv=None):
     report = {"what": "airbench94 (the public single-GPU CIFAR-10 speed record trainer) on the same data copy, "
                       "same machine, same device session as benchmarks/ddp_cifar_gpu.py",
               "source": f"github.com/KellerJordan/cifar10-airbench, legacy/airbench94.py at commit "
-                        f"{git_commit(args.airbench)}, unmodified; nothing of it is in this repository",
+                        f"{args.commit or git_commit(args.airbench)}, unmodified; nothing of it is in this repository",
               "how": "benchmarks/peer_airbench94.py: the class folders converted to its train.pt/test.pt; one "
                      "warm-up run (its 'warmup' mode, random labels), then the timed runs; time is its own "
                      "CUDA-event clock: whitening init + training + final test-time-augmented evaluation, data "
