@@ -2,6 +2,7 @@
 options, the CLI, the live view."""
 import copy
 import gc
+import inspect
 import io
 import os
 import re
@@ -389,6 +390,36 @@ def test_ddp_settings_reach_ddp_and_a_bf16_hook_trains():
                      timeout=120, quiet=True)
     for cap, broadcast, loss in results:
         assert cap == 0.5 * 1024 * 1024 and broadcast is False and 0 < loss < 10
+
+
+def trainer_gradients_vs_hand_averaged(batched):
+    """Two steps of train's own DDP step (forward_backward) against a plain copy of the model whose
+    gradients are all-reduced by hand. Returns the largest difference, and what DDP was given."""
+    t = train.build(train.make_config(**dict(TINY, batched_grad_copy=batched)), torch.device("cpu"))
+    plain = copy.deepcopy(t.module)
+    g = torch.Generator().manual_seed(100 + t.rank)
+    diffs = []
+    for _ in range(2):  # DDP rebuilds its buckets after the first step: check the step after that too
+        images, labels = torch.randn(16, 3, 32, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
+        t.forward_backward(images, labels)
+        plain.zero_grad(set_to_none=True)
+        F.cross_entropy(plain(images), labels, label_smoothing=t.cfg.label_smoothing).backward()
+        for p in plain.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= t.world_size
+        diffs += [(a.grad - b.grad).abs().max().item() for a, b in zip(plain.parameters(), t.module.parameters())]
+    return max(diffs), getattr(t.model, "batched_grad_copy", None)
+
+
+@needs_mini
+@pytest.mark.parametrize("batched", [True, False])
+def test_batched_gradient_copies_give_the_averaged_gradients_where_torch_has_them(batched):
+    torch_has_it = "batched_grad_copy" in inspect.signature(DDP.__init__).parameters
+    results = launch(trainer_gradients_vs_hand_averaged, world_size=2, backend="gloo", args=(batched,),
+                     timeout=120, quiet=True)
+    for max_diff, used in results:
+        assert max_diff < 1e-6
+        assert used == (batched if torch_has_it else None)
 
 
 def default_ddp_warnings():
