@@ -1,15 +1,21 @@
 """Where the second GPU's time goes: ResNet-18 steps on 1 GPU, on 2 GPUs with DDP but without
-its all-reduce, and on 2 GPUs with DDP.
+its all-reduce, and on 2 GPUs with DDP (as it is, and with three NCCL settings that one might try).
 
-    python benchmarks/ddp_overhead_gpu.py --data /path/to/cifar10-jpeg   # 2 GPUs, NCCL, ~2 min
+    python benchmarks/ddp_overhead_gpu.py --data /path/to/cifar10-jpeg   # 2 GPUs, NCCL, ~6 min
     python benchmarks/ddp_overhead_gpu.py --quick                        # CPU, Gloo, tiny: checks the script
 
 The middle case registers a DDP communication hook that hands each bucket back unchanged: DDP
 still does all its own work (gradients copied into buckets, bucket bookkeeping), only the
 all-reduce is missing, so each rank trains on its own gradients. That is useless for training
 and useful for measuring: it splits the gap between "2 x one GPU" and DDP into DDP's own work
-and communication. Same settings as benchmarks/ddp_cifar_gpu.py (its RESNET, CUDA graphs),
-the three cases alternated --repeats times. Writes ddp_overhead_gpu.json into --out
+and communication.
+
+The last three cases ask whether NCCL can share the GPU better with the backward pass it overlaps:
+its Simple protocol instead of the one it picks, at most 8 thread blocks (CTAs) instead of one per
+channel (NCCL chose 24 channels on 2 H200s), and PyTorch's NCCL stream at high priority
+(TORCH_NCCL_HIGH_PRIORITY). Each is an environment variable set for the ranks before NCCL starts;
+the ranks report what they saw. Same settings as benchmarks/ddp_cifar_gpu.py (its RESNET, CUDA
+graphs), all cases alternated --repeats times. Writes ddp_overhead_gpu.json into --out
 (default notebooks/reference/).
 """
 import argparse
@@ -27,7 +33,13 @@ import torch  # noqa: E402
 
 from ddp_helpers import data, launch, machine, train  # noqa: E402
 
-CASES = [("1 GPU", 1, "none"), ("2 GPUs, DDP without all-reduce", 2, "skip"), ("2 GPUs, DDP", 2, "none")]
+# (name, GPUs, DDP comm hook, environment of the ranks)
+CASES = [("1 GPU", 1, "none", {}),
+         ("2 GPUs, DDP without all-reduce", 2, "skip", {}),
+         ("2 GPUs, DDP", 2, "none", {}),
+         ("2 GPUs, DDP, NCCL_PROTO=Simple", 2, "none", {"NCCL_PROTO": "Simple"}),
+         ("2 GPUs, DDP, NCCL_MAX_CTAS=8", 2, "none", {"NCCL_MAX_CTAS": "8"}),
+         ("2 GPUs, DDP, TORCH_NCCL_HIGH_PRIORITY=1", 2, "none", {"TORCH_NCCL_HIGH_PRIORITY": "1"})]
 
 
 def skip_allreduce(state, bucket):
@@ -37,17 +49,18 @@ def skip_allreduce(state, bucket):
     return done
 
 
-def throughput(settings, warmup_steps):
-    """Inside each rank: train, return the images per second after the warm-up steps."""
+def throughput(settings, warmup_steps, env_names):
+    """Inside each rank: train; return the images per second after the warm-up steps, and the
+    values of env_names this rank saw."""
     train.COMM_HOOKS["skip"] = skip_allreduce
-    return bench.counted_throughput(train.run(**settings), warmup_steps)
+    return bench.counted_throughput(train.run(**settings), warmup_steps), {k: os.environ.get(k) for k in env_names}
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", default=os.environ.get(data.ENV_VAR), help="CIFAR-10 folder with train/ and test/")
     p.add_argument("--out", help="folder for the JSON (default notebooks/reference)")
-    p.add_argument("--repeats", type=int, default=3, help="runs of each case, alternated")
+    p.add_argument("--repeats", type=int, default=4, help="runs of each case, alternated")
     p.add_argument("--steps", type=int, default=400, help="steps per run")
     p.add_argument("--warmup-steps", type=int, default=50, help="steps not counted")
     p.add_argument("--quick", action="store_true", help="CPU, Gloo, tiny sizes: a check of the script")
@@ -74,17 +87,22 @@ def main(argv=None):
     if args.quick:
         settings.update(device="cpu", cuda_graph=False, batch_size=8, log_every=1, per_class=20, test_per_class=10)
     backend = "gloo" if args.quick else "nccl"
-    runs = {name: [] for name, _, _ in CASES}
+    runs = {name: [] for name, _, _, _ in CASES}
     for repeat in range(args.repeats):
-        for name, gpus, hook in CASES:
-            rate = launch(throughput, world_size=gpus, backend=backend, timeout=120, quiet=True,
-                          args=(dict(settings, comm_hook=hook), args.warmup_steps))[0]
-            runs[name].append(rate)
-            print(f"  {name:32s} run {repeat}: {rate:,.0f} images/s", flush=True)
+        for name, gpus, hook, env in CASES:
+            results = launch(throughput, world_size=gpus, backend=backend, timeout=120, quiet=True, env=env,
+                             args=(dict(settings, comm_hook=hook), args.warmup_steps, list(env)))
+            seen = [ranks_env for _, ranks_env in results]
+            if any(s != env for s in seen):  # a launcher that dropped the setting would measure nothing new
+                raise RuntimeError(f"{name}: the ranks saw {seen}, not {env}")
+            runs[name].append(results[0][0])
+            print(f"  {name:40s} run {repeat}: {results[0][0]:,.0f} images/s", flush=True)
     one = statistics.mean(runs["1 GPU"])
-    summary = {name: {"images_per_s": statistics.mean(r), "runs": r, "of_2x_one_gpu": statistics.mean(r) / (2 * one)}
-               for name, r in runs.items()}
-    report = {"what": "ResNet-18 throughput: 1 GPU, 2 GPUs with DDP minus its all-reduce, 2 GPUs with DDP",
+    summary = {name: {"images_per_s": statistics.mean(runs[name]), "runs": runs[name], "env": env,
+                      "of_2x_one_gpu": statistics.mean(runs[name]) / (2 * one)}
+               for name, _, _, env in CASES}
+    report = {"what": "ResNet-18 throughput: 1 GPU, 2 GPUs with DDP minus its all-reduce, 2 GPUs with DDP "
+                      "(as it is, and with three NCCL settings)",
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "quick_check_only": args.quick, "machine": bench.describe_machine(),
               "data": bench.describe_data(args.data),
@@ -94,7 +112,7 @@ def main(argv=None):
     with open(os.path.join(args.out, "ddp_overhead_gpu.json"), "w") as f:
         json.dump(report, f, indent=1)
     for name, s in summary.items():
-        print(f"{name:32s} {s['images_per_s']:10,.0f} images/s  = {s['of_2x_one_gpu']:.3f} of 2 x one GPU")
+        print(f"{name:40s} {s['images_per_s']:10,.0f} images/s  = {s['of_2x_one_gpu']:.3f} of 2 x one GPU")
     print(f"wrote {args.out}/ddp_overhead_gpu.json after {time.perf_counter() - started:.0f} s")
 
 

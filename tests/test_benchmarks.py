@@ -62,10 +62,13 @@ def test_ddp_cifar_gpu_quick_writes_its_report(tmp_path):
 
 
 @needs_mini
-def test_ddp_overhead_gpu_quick_writes_three_cases(tmp_path):
+def test_ddp_overhead_gpu_quick_writes_every_case(tmp_path):
     report = quick_report("ddp_overhead_gpu.py", tmp_path)
     summary = report["summary"]
-    assert len(summary) == 3 and "1 GPU" in summary
+    assert len(summary) == 6 and "1 GPU" in summary
+    # the NCCL cases are recorded with the environment their ranks saw (the script checks it)
+    assert summary["2 GPUs, DDP, NCCL_MAX_CTAS=8"]["env"] == {"NCCL_MAX_CTAS": "8"}
+    assert summary["2 GPUs, DDP"]["env"] == {}
     one = summary["1 GPU"]["images_per_s"]
     for case in summary.values():
         assert len(case["runs"]) == report["settings"]["repeats"] and all(r > 0 for r in case["runs"])
