@@ -90,9 +90,15 @@ def test_test_time_augmentation_averages_the_right_views():
 
 
 # ------------------------------------------------- gradients: by hand vs DDP
+def average_gradients_by_hand(module):
+    for p in module.parameters():
+        dist.all_reduce(p.grad)          # SUM over ranks ...
+        p.grad /= dist.get_world_size()  # ... divided by the number of ranks: the mean
+
+
 def hand_averaged_vs_ddp():
     """In each rank: the same model twice; one averages its gradients by hand, one is DDP."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     torch.manual_seed(0)
     by_hand = models.FastNet(width=4)
     with_ddp = DDP(copy.deepcopy(by_hand))
@@ -101,9 +107,7 @@ def hand_averaged_vs_ddp():
 
     F.cross_entropy(by_hand(images), labels).backward()
     local = [p.grad.clone() for p in by_hand.parameters()]
-    for p in by_hand.parameters():
-        dist.all_reduce(p.grad)          # SUM over ranks ...
-        p.grad /= world_size             # ... divided by the number of ranks: the mean
+    average_gradients_by_hand(by_hand)
     F.cross_entropy(with_ddp(images), labels).backward()
 
     pairs = list(zip(by_hand.parameters(), with_ddp.module.parameters()))
@@ -404,9 +408,7 @@ def trainer_gradients_vs_hand_averaged(batched):
         t.forward_backward(images, labels)
         plain.zero_grad(set_to_none=True)
         F.cross_entropy(plain(images), labels, label_smoothing=t.cfg.label_smoothing).backward()
-        for p in plain.parameters():
-            dist.all_reduce(p.grad)
-            p.grad /= t.world_size
+        average_gradients_by_hand(plain)
         diffs += [(a.grad - b.grad).abs().max().item() for a, b in zip(plain.parameters(), t.module.parameters())]
     return max(diffs), getattr(t.model, "batched_grad_copy", None)
 
