@@ -237,7 +237,7 @@ def check_steps_per_epoch(fn):
 
 
 def check_torchrun_command(command):
-    """Notebook 07: the one torchrun command for every node of a job of 2 nodes x 4 GPUs that
+    """Notebook 09: the one torchrun command for every node of a job of 2 nodes x 4 GPUs that
     meets at node01:29500 through the c10d rendezvous, restarts up to 3 times, and trains with
     `-m ddp_helpers.train --checkpoint ckpt/epoch-{epoch}.pt --resume auto`.
     Parsed with torchrun's own argument parser. Pure text: no ranks needed."""

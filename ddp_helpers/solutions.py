@@ -97,6 +97,6 @@ def steps_per_epoch(n_images, batch_per_rank, world_size):
     return per_rank // batch_per_rank
 
 
-# Notebook 07: the same command on both nodes; the agents meet at node01:29500 and number the nodes.
+# Notebook 09: the same command on both nodes; the agents meet at node01:29500 and number the nodes.
 torchrun_command = ("torchrun --nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint=node01:29500 "
                     "--max-restarts=3 -m ddp_helpers.train --checkpoint 'ckpt/epoch-{epoch}.pt' --resume auto")
