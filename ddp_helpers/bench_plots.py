@@ -144,3 +144,56 @@ def plot_sweeps(rows, title=None, fit=True):
     fig.suptitle(title or f"{collectives}, measured on {hardware}")
     fig.tight_layout()
     return fig
+
+
+# ------------------------------------------------- training speed (notebook 07)
+def stored_caption(report):
+    """'stored: 2x NVIDIA H200, torch 2.11.0+cu130, NCCL 2.28.9, 2026-11-30': where and when a stored
+    benchmark report (its "machine" and "date") was measured, for titles and printed lines."""
+    m = report["machine"]
+    gpus = m.get("gpus") or []
+    hardware = f"{len(gpus)}x {gpus[0]}" if gpus else f"{m.get('cpu_cores', '?')} CPU cores, no GPU"
+    nccl = f", NCCL {m['nccl']}" if m.get("nccl") else ""
+    return f"stored: {hardware}, torch {m['torch']}{nccl}, {report['date'][:10]}"
+
+
+def scaling_bars(ax, groups, gpus=2, ylabel="images / s"):
+    """Bars of throughput on 1 GPU and on `gpus` GPUs for each (label, one_gpu, many_gpus) in groups,
+    a dashed line at `gpus` x one GPU over each pair (perfect scaling), and the scaling efficiency
+    many / (gpus x one) written on it."""
+    ticks, names = [], []
+    for i, (label, one, many) in enumerate(groups):
+        x = 3 * i
+        ax.bar([x, x + 1], [one, many], color=["tab:blue", "tab:orange"])
+        ax.hlines(gpus * one, x + 0.6, x + 1.4, colors="k", linestyles="dashed")
+        ax.text(x + 1, gpus * one, f"{many / (gpus * one):.3f}", ha="center", va="bottom")
+        ticks += [x, x + 1]
+        names += [f"{label}\n1 GPU", f"{label}\n{gpus} GPUs"]
+    ax.set_xticks(ticks, names)
+    ax.set(ylabel=ylabel, ylim=(0, 1.15 * gpus * max(one for _, one, _ in groups)))
+    return ax
+
+
+def labelled_barh(ax, labels, values, colors=None, reference=None, fmt="{:,.0f}"):
+    """Horizontal bars, top to bottom in the order given, each labelled with its value and, with
+    `reference`, its ratio to it (e.g. 2 x one GPU). A value of None draws no bar and says so."""
+    labels, values = labels[::-1], values[::-1]
+    colors = (colors or ["tab:gray"] * len(labels))[::-1]
+    bars = ax.barh(labels, [v or 0 for v in values], color=colors)
+    texts = ["not measured" if v is None else fmt.format(v) + (f" ({v / reference:.3f})" if reference else "")
+             for v in values]
+    ax.bar_label(bars, texts, padding=3)
+    ax.set_xlim(0, 1.4 * max(v for v in values if v is not None))
+    return ax
+
+
+def accuracy_vs_seconds(ax, points):
+    """Time to accuracy: one point per (label, seconds, seconds_std, accuracy, accuracy_std), with
+    error bars of one standard deviation; up and to the left is better."""
+    for label, seconds, seconds_std, accuracy, accuracy_std in points:
+        ax.errorbar(seconds, 100 * accuracy, xerr=seconds_std, yerr=100 * accuracy_std, fmt="o", capsize=3,
+                    label=f"{label}: {accuracy:.2%} in {seconds:.2f} s")
+    ax.set(xlabel="seconds (training + final evaluation)", ylabel="test accuracy (%)")
+    ax.legend(fontsize=8, loc="lower right")
+    ax.grid(alpha=0.3)
+    return ax

@@ -211,6 +211,20 @@ def first_per_class(split, per_class):
     return Split(split.images[keep], split.labels[keep])
 
 
+class Images(torch.utils.data.Dataset):
+    """A Split as a map-style Dataset of (transform(image), label) pairs, as torchvision's datasets give."""
+
+    def __init__(self, split, transform=None):
+        self.split, self.transform = split, transform
+
+    def __len__(self):
+        return len(self.split.labels)
+
+    def __getitem__(self, i):
+        image = self.split.images[i]
+        return (self.transform(image) if self.transform else image), self.split.labels[i]
+
+
 # ------------------------------------------------------- batches on the device
 def augment(images, pad=4, flip=True, generator=None):
     """Random crop and horizontal flip of a batch of uint8 images (B, C, H, W), on their device.
@@ -296,7 +310,6 @@ class DeviceLoader:
         self.batch_size, self.train, self.device = batch_size, train, torch.device(device)
         self.rank, self.seed, self.pad, self.flip = rank, seed, pad, flip
         self.world_size = world_size
-        self.epoch = 0
         self.drawn = None  # (epoch, order on the device): the next epoch's order, drawn early
         if flip == "alternate":  # one draw for all epochs, the same on every rank (seeded on the CPU)
             first = torch.rand(len(self.labels), generator=torch.Generator().manual_seed(seed)) < 0.5
@@ -306,10 +319,13 @@ class DeviceLoader:
                                               rank=rank, shuffle=True, seed=seed)
 
     def set_epoch(self, epoch):
-        """Call before each epoch: the shuffle and the augmentation depend on it."""
-        self.epoch = epoch
-        if self.train:
-            self.sampler.set_epoch(epoch)
+        """Call before each epoch (or loader.sampler.set_epoch, as with a DataLoader): the shuffle and
+        the augmentation depend on it."""
+        self.sampler.set_epoch(epoch)
+
+    @property
+    def epoch(self):
+        return self.sampler.epoch if self.train else 0
 
     def indices(self):
         """This rank's examples for this epoch, in order."""
@@ -338,9 +354,10 @@ class DeviceLoader:
 
     def draw_next_epoch(self):
         """Draw the next epoch's order now (see the class's docstring for why)."""
-        self.sampler.set_epoch(self.epoch + 1)
-        self.drawn = (self.epoch + 1, self.order_on_device())
-        self.sampler.set_epoch(self.epoch)
+        epoch = self.epoch
+        self.sampler.set_epoch(epoch + 1)
+        self.drawn = (epoch + 1, self.order_on_device())
+        self.sampler.set_epoch(epoch)
 
     def __iter__(self):
         if self.drawn is not None and self.drawn[0] == self.epoch:

@@ -5,7 +5,9 @@ sizes (and tensor lengths, including lengths the world size does not divide),
 and says exactly what is wrong: which case, which rank, which element,
 expected vs got. Where an exercise rebuilds a collective from point-to-point
 calls, that collective is switched off inside the ranks while the learner's
-code runs. The returned Verdict is true when every case passes.
+code runs; where an exercise is about how many collective calls to make, the collective is
+wrapped instead, to count each rank's calls and bytes. The returned Verdict is true when every
+case passes.
 Reference solutions are in `ddp_helpers.solutions`.
 """
 import torch
@@ -188,31 +190,130 @@ def check_busbw(fn):
     return Verdict("my_busbw", problems)
 
 
-def check_average_gradients(fn):
-    """Notebook 05: `fn(model)` replaces every gradient by its mean over the ranks. Checked by
-    training on shards with it and comparing with one process on the whole batches."""
-    from .data_parallel import hand_averaged_training, single_process_training
-    _, want = single_process_training(steps=3)
+def _bucket_model():
+    """The model the one-bucket checker uses: four gradients of different shapes (212 floats)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+
+
+def _one_bucket_in_rank(fn):
+    """Inside a rank: local gradients from this rank's shard, the true mean (computed with the
+    real all_reduce before the learner's code runs), then fn(model) with dist.all_reduce
+    wrapped to record every call's bytes and op."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = _bucket_model()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(24, 8, generator=g), torch.randint(0, 4, (24,), generator=g)
+    shard = slice(rank * 24 // world_size, (rank + 1) * 24 // world_size)
+    torch.nn.functional.cross_entropy(model(x[shard]), y[shard]).backward()
+    local = [p.grad.clone() for p in model.parameters()]
+    summed = [t.clone() for t in local]
+    for t in summed:
+        dist.all_reduce(t)
+    calls, original = [], dist.all_reduce
+
+    def counting_all_reduce(tensor, *args, **kwargs):
+        op = kwargs.get("op", args[0] if args else dist.ReduceOp.SUM)
+        name = "SUM" if op == dist.ReduceOp.SUM else "AVG" if op == dist.ReduceOp.AVG else str(op).split(".")[-1]
+        calls.append({"bytes": tensor.numel() * tensor.element_size(), "op": name})
+        return original(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting_all_reduce
+    try:
+        fn(model)
+    finally:
+        dist.all_reduce = original
+    return {"calls": calls, "local": local, "summed": summed,
+            "got": [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()],
+            "shapes": [tuple(p.shape) for p in model.parameters()]}
+
+
+def _close(a, b):
+    return all(x is not None and x.shape == y.shape and torch.allclose(x, y, rtol=1e-5, atol=1e-7)
+               for x, y in zip(a, b))
+
+
+def _one_bucket_problem(result, world_size):
+    """What is wrong on one rank, or None."""
+    calls, got, summed = result["calls"], result["got"], result["summed"]
+    grad_bytes = sum(t.numel() * t.element_size() for t in result["local"])
+    if not calls:
+        return ("you never called dist.all_reduce: each rank still has only its own gradients; "
+                "all_reduce the flat buffer once")
+    if len(calls) > 1:
+        return (f"you called all_reduce {len(calls)} times (once per parameter?): flatten all gradients "
+                f"into one buffer and all_reduce it once")
+    nbytes = calls[0]["bytes"]
+    if nbytes != grad_bytes:
+        what = ("not all gradients are in the buffer" if nbytes < grad_bytes
+                else "more than the gradients: did you flatten something else too?")
+        return (f"your all_reduce carried {nbytes} bytes, but the {len(got)} gradients are {grad_bytes} bytes "
+                f"({grad_bytes // 4} floats): {what}")
+    if calls[0]["op"] not in ("SUM", "AVG"):
+        return (f"your all_reduce used {calls[0]['op']}: use op=dist.ReduceOp.SUM (the default), "
+                f"then divide by the world size")
+    for i, (g, shape) in enumerate(zip(got, result["shapes"])):
+        if g is None:
+            return f"parameter {i} has no .grad after your function: write its slice of the buffer back"
+        if tuple(g.shape) != shape:
+            return (f"parameter {i}: .grad has shape {tuple(g.shape)}, the parameter {shape}: "
+                    f"reshape each slice with .view_as(p.grad)")
+    mean = [t / world_size for t in summed]
+    if _close(got, mean):
+        return None
+    if _close(got, result["local"]):
+        return ("the .grad tensors still hold this rank's own gradients: copy the averaged buffer back "
+                "into each p.grad (the flat buffer is a copy, not a view)")
+    if _close(got, summed):
+        return "the gradients are the sum over the ranks, not the mean: divide the buffer by dist.get_world_size()"
+    if calls[0]["op"] == "AVG" and _close(got, [t / world_size for t in mean]):
+        return "ReduceOp.AVG already divides by the world size: do not divide again"
+    for k in range(2, 9):
+        if k != world_size and _close(got, [t / k for t in summed]):
+            return f"you divided by {k}, but the world size here is {world_size}: use dist.get_world_size()"
+    for i, (g, want) in enumerate(zip(got, mean)):
+        wrong = ((g - want).abs() > 1e-5 + 1e-4 * want.abs()).flatten().nonzero()
+        if len(wrong):
+            j = int(wrong[0])
+            return (f"parameter {i} (shape {tuple(want.shape)}), element {j}: expected {want.flatten()[j].item():.6g}, "
+                    f"got {g.flatten()[j].item():.6g} (slices copied back to the wrong parameters? keep the order "
+                    f"of model.parameters() when you flatten and when you copy back)")
+    return "the gradients differ from the mean over the ranks"
+
+
+def check_one_bucket_average(fn):
+    """Notebook 05: `fn(model)` replaces every gradient by its mean over the ranks with ONE
+    all_reduce of one flat buffer. Checked on real ranks (2 and 3) with dist.all_reduce
+    wrapped: the number of calls, the bytes each carried, and the gradients written back."""
+    title = "average_gradients_one_bucket"
     problems = []
-    for world_size in (2, 4):
+    for world_size in (2, 3):
+        label = f"world_size={world_size}"
         try:
-            results = launch(hand_averaged_training, world_size, args=(3,), kwargs={"average": fn},
-                             timeout=30, quiet=True)
+            results = launch(_one_bucket_in_rank, world_size, args=(fn,), timeout=20, quiet=True)
+        except WorkerTimeout as err:
+            problems.append(f"{label}: rank(s) {err.unfinished_ranks} never finished: every rank must call "
+                            f"all_reduce the same number of times, with buffers of the same size")
+            break
         except WorkerError as err:
             if err.exc_type == "NotImplementedError":
-                return Verdict("average_gradients", [f"{fn.__name__} still raises NotImplementedError: fill in the stub"])
-            problems.append(f"world_size={world_size}: {str(err).splitlines()[0][:300]}")
+                return Verdict(title, [f"{fn.__name__} still raises NotImplementedError: fill in the stub"])
+            first_line = str(err).splitlines()[0]
+            if err.exc_type == "RuntimeError" and "gloo" in first_line.lower():
+                problems.append(f"{label}: rank {err.rank} failed inside Gloo (its partner had left): did every "
+                                f"rank call all_reduce the same number of times, with buffers of the same size?")
+            else:
+                problems.append(f"{label}: {first_line[:300]}")
             continue
-        spread = max((params - results[0][1]).abs().max().item() for _, params in results)
-        for rank, (_, params) in enumerate(results):
-            gap = (params - want).abs().max().item()
-            if gap > 1e-5:
-                why = ("ranks disagree with each other: were all gradients all-reduced?" if spread > 1e-6 else
-                       "ranks agree but differ from one process: sum instead of mean?")
-                problems.append(f"world_size={world_size}, rank {rank}: parameters after 3 steps differ from "
-                                f"one process by {gap:.2e} ({why})")
-                break
-    return Verdict("average_gradients", problems)
+        wrong = {rank: problem for rank, result in enumerate(results)
+                 if (problem := _one_bucket_problem(result, world_size))}
+        if wrong and len(wrong) < world_size:
+            rank, problem = next(iter(wrong.items()))
+            right = [r for r in range(world_size) if r not in wrong]
+            problems.append(f"{label}: ranks disagree (rank(s) {right} right, rank {rank} not): {problem}")
+        elif wrong:
+            problems.append(f"{label}, rank 0: {wrong[0]}")
+    return Verdict(title, problems)
 
 
 _STEP_CASES = [(10_000, 128, 1), (10_000, 128, 2), (998, 111, 3), (50_000, 256, 8), (1_000, 64, 7)]

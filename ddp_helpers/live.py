@@ -2,6 +2,7 @@
 
     from ddp_helpers import live
     record = live.train(world_size=2, backend="gloo", width=16, epochs=2)   # settings: train.Config
+    record = live.train(world_size=1, backend="nccl", speed=True, **speed.recipes.FAST)  # the speed layer
     live.plot(record)                                                       # the same picture, afterwards
 
 How it works: with `live=True`, rank 0 of `train.run` prints one line of JSON per
@@ -31,17 +32,24 @@ from .launcher import launch
 REDRAW_EVERY_S = 0.5  # at most this often (drawing a figure takes ~0.1 s of the kernel's CPU)
 
 
-def train(world_size=2, backend="gloo", timeout=900, env=None, view="auto", **settings):
-    """Run `train.run(**settings)` on `world_size` ranks and show its progress; return the record
-    (every rank returns the same one). view: "auto", "plot" (notebook picture) or "text".
+def train(world_size=2, backend="gloo", timeout=900, env=None, view="auto", speed=False, **settings):
+    """Run `train.run(**settings)` (with speed=True: `speed.run`, the speed layer) on `world_size` ranks
+    and show its progress; return the record (every rank returns the same one).
+    view: "auto", "plot" (notebook picture) or "text".
     The ranks' own progress lines are off (verbose=False): the picture replaces them."""
     settings.update(live=True, verbose=False)
-    train_module.make_config(**settings)  # bad settings fail here, before any process starts
+    if speed:
+        from . import speed as speed_layer
+        speed_layer.check(**settings)  # bad settings fail here, before any process starts
+        run = speed_layer.run
+    else:
+        train_module.make_config(**settings)
+        run = train_module.run
     view = PlotView() if view == "plot" or (view == "auto" and in_notebook()) else TextView()
     metrics = MetricsFilter(sys.stdout, view.update)
     try:
         with contextlib.redirect_stdout(metrics):
-            results = launch(train_module.run, world_size=world_size, backend=backend,
+            results = launch(run, world_size=world_size, backend=backend,
                              kwargs=settings, timeout=timeout, env=env)
     finally:
         metrics.flush()

@@ -20,6 +20,13 @@ def load(name, folder=REFERENCE_DIR):
     return rows, meta
 
 
+def load_json(name, folder=None):
+    """The report `<name>.json` that a benchmark wrote on its own (no CSV beside it), as a dict:
+    e.g. load_json("ddp_overhead_gpu"). Raises FileNotFoundError if it was not measured yet."""
+    with open(os.path.join(folder or REFERENCE_DIR, f"{name}.json")) as f:
+        return json.load(f)
+
+
 def save(name, rows, meta, folder=REFERENCE_DIR):
     """Write rows (a list of dicts with the same keys) and their metadata."""
     os.makedirs(folder, exist_ok=True)

@@ -83,11 +83,18 @@ def my_busbw(collective, nbytes, time_us, world_size):
     return algbw * factor.get(collective, 1.0)
 
 
-def average_gradients(model):
-    """Notebook 05: the mean of every gradient over all ranks, in place."""
-    for p in model.parameters():
-        dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
-        p.grad /= dist.get_world_size()
+def average_gradients_one_bucket(model):
+    """Notebook 05: the mean of every gradient over all ranks with ONE all_reduce: flatten every
+    gradient into one buffer (a single bucket), all-reduce it, divide, copy each slice back.
+    (torch._utils._flatten_dense_tensors / _unflatten_dense_tensors do the same flattening.)"""
+    grads = [p.grad for p in model.parameters()]
+    bucket = torch.cat([g.flatten() for g in grads])  # a new tensor: a copy of every gradient
+    dist.all_reduce(bucket, op=dist.ReduceOp.SUM)
+    bucket /= dist.get_world_size()
+    offset = 0
+    for g in grads:
+        g.copy_(bucket[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 def steps_per_epoch(n_images, batch_per_rank, world_size):

@@ -1,9 +1,9 @@
-"""Settings for train.run that were measured on GPUs (benchmarks/ddp_cifar_gpu.py, 2 H200s).
+"""Settings for speed.run that were measured on GPUs (benchmarks/ddp_cifar_gpu.py, 2 H200s).
 
-    record = launch(train.run, world_size=2, backend="nccl", kwargs=recipes.FAST)[0]
+    record = launch(speed.run, world_size=2, backend="nccl", kwargs=speed.recipes.FAST)[0]
 
 FAST: the fast net's time-to-accuracy recipe, global batch 1024 (512 per GPU on 2 GPUs: pass
-batch_size=1024 // gpus on other counts). It is airbench94's ideas rebuilt in our trainer
+batch_size=1024 // gpus on other counts). It is airbench94's ideas rebuilt in our speed layer
 (github.com/KellerJordan/cifar10-airbench): a whitening stem, identity-initialised convs, frozen
 BatchNorm scales with 64x faster shifts, lookahead, alternating flips, 2-pixel crops, label smoothing
 0.2, its schedule (0.2 -> 1 at 23% -> 0.07), and its learning rate, momentum and decay rewritten
