@@ -4,7 +4,8 @@
     python benchmarks/ddp_cifar_gpu.py --quick                         # CPU, Gloo, tiny: checks the script
 
 Measures, with real data kept on each GPU (ddp_helpers.data.DeviceLoader) and the training
-code of ddp_helpers.train (one process per GPU, started with ddp_helpers.launch):
+code of ddp_helpers.train with its speed layer, ddp_helpers.speed (one process per GPU, started with
+ddp_helpers.launch):
 1. ResNet-18 training throughput at 256 images per GPU on 1 GPU (plain model: DDP would only
    add work) and on 2 GPUs (DDP over NCCL), alternated `--repeats` times; the first
    `--warmup-steps` steps of each run (cuDNN autotuning, allocator growth) are not counted.
@@ -19,7 +20,6 @@ trainer beside it, in the same session: benchmarks/peer_airbench94.py.
 """
 import argparse
 import csv
-import dataclasses
 import datetime
 import json
 import os
@@ -39,12 +39,12 @@ for name, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAS
 import torch  # noqa: E402
 import torchvision  # noqa: E402
 
-from ddp_helpers import data, launch, machine, recipes, train  # noqa: E402
+from ddp_helpers import data, launch, machine, settings, speed, train  # noqa: E402
 
-# The measured recipes are in ddp_helpers/recipes.py, with how they were chosen.
+# The measured recipes are in ddp_helpers/speed/recipes.py, with how they were chosen.
 # epochs: enough for max_steps. Losses are gathered (and the GPU waited for) every 25 steps:
 # rarely enough not to slow it.
-RESNET = dict(recipes.RESNET, epochs=100, log_every=25)
+RESNET = dict(speed.recipes.RESNET, epochs=100, log_every=25)
 
 
 def parse_args(argv=None):
@@ -62,20 +62,20 @@ def parse_args(argv=None):
     p.add_argument("--fast-epochs", type=int, help="fast-net epochs (default: the recipe's)")
     p.add_argument("--quick", action="store_true", help="CPU, Gloo, tiny sizes: a check of the script")
     p.add_argument("--resnet-set", action="append", default=[], metavar="NAME=VALUE",
-                   help="change a ResNet-18 setting (ddp_helpers.train.Config), e.g. bucket_cap_mb=10; repeatable")
+                   help="change a ResNet-18 setting (train.Config or speed.Speedups), e.g. bucket_cap_mb=10; repeatable")
     p.add_argument("--fast-set", action="append", default=[], metavar="NAME=VALUE",
                    help="change a fast-net setting, e.g. epochs=14; repeatable")
     args = p.parse_args(argv)
     try:
         args.resnet = dict(RESNET, **settings_from(args.resnet_set))
-        args.fast = dict(recipes.FAST, **settings_from(args.fast_set))
+        args.fast = dict(speed.recipes.FAST, **settings_from(args.fast_set))
         if args.fast_epochs:
             args.fast["epochs"] = args.fast_epochs
         if args.quick:  # what runs is what the JSON records
             args.resnet.update(batch_size=8, log_every=1, cuda_graph=False)
             args.fast.update(width=8, batch_size=50, epochs=2, cuda_graph=False)
         for settings in (args.resnet, args.fast):  # bad values fail here, before any process starts
-            train.make_config(**dict(settings, cuda_graph=settings["cuda_graph"] and machine.gpu_count() > 0))
+            speed.check(**dict(settings, cuda_graph=settings["cuda_graph"] and machine.gpu_count() > 0))
     except (TypeError, ValueError) as err:
         p.error(str(err))
     if not args.data:
@@ -91,39 +91,25 @@ def parse_args(argv=None):
     return args
 
 
-BOOLEANS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
-
-
 def settings_from(pairs):
-    """["epochs=14", "tta=2", "whiten=false"] -> {"epochs": 14, "tta": 2, "whiten": False}, typed as Config's fields."""
-    names = {f.name for f in dataclasses.fields(train.Config)}
+    """["epochs=14", "tta=2", "whiten=false"] -> {"epochs": 14, "tta": 2, "whiten": False}, typed as the
+    trainer's (train.Config) and the speed layer's (speed.Speedups) settings are."""
     out = {}
     for pair in pairs:
-        name, _, text = pair.partition("=")
-        if name not in names:
-            raise ValueError(f"unknown setting {name!r} in {pair!r}")
-        kind = train.setting_type(name)
-        if kind is bool:
-            if text.lower() not in BOOLEANS:
-                raise ValueError(f"{name} is true or false, got {text!r}")
-            out[name] = BOOLEANS[text.lower()]
-            continue
-        try:
-            out[name] = kind(text)
-        except ValueError:
-            raise ValueError(f"{name} takes {kind.__name__} values, got {text!r}") from None
+        fields = speed.Speedups if pair.partition("=")[0] in speed.SPEED_OPTIONS else train.Config
+        out.update(settings.from_pairs(fields, [pair]))
     return out
 
 
 # ------------------------------------------------------------ inside the ranks
 def resnet_throughput(settings):
-    return train.run(**settings)
+    return speed.run(**settings)
 
 
 def timed_fast_runs(settings, seeds):
     """One untimed warm-up run (cuDNN autotuning, NCCL's first calls), then one run per seed."""
-    train.run(**dict(settings, max_steps=min(30, settings.get("max_steps") or 30)))
-    return [train.run(**dict(settings, seed=seed)) for seed in seeds]
+    speed.run(**dict(settings, max_steps=min(30, settings.get("max_steps") or 30)))
+    return [speed.run(**dict(settings, seed=seed)) for seed in seeds]
 
 
 # ------------------------------------------------------------------ measuring

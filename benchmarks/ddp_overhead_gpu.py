@@ -19,6 +19,7 @@ graphs), all cases alternated --repeats times. Writes ddp_overhead_gpu.json into
 (default notebooks/reference/).
 """
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -31,15 +32,15 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ddp_cifar_gpu as bench  # noqa: E402  (also puts the repository on the path, keeps NVLS off)
 import torch  # noqa: E402
 
-from ddp_helpers import data, launch, machine, train  # noqa: E402
+from ddp_helpers import data, launch, machine, speed, train  # noqa: E402
 
-# (name, GPUs, DDP comm hook, environment of the ranks)
-CASES = [("1 GPU", 1, "none", {}),
-         ("2 GPUs, DDP without all-reduce", 2, "skip", {}),
-         ("2 GPUs, DDP", 2, "none", {}),
-         ("2 GPUs, DDP, NCCL_PROTO=Simple", 2, "none", {"NCCL_PROTO": "Simple"}),
-         ("2 GPUs, DDP, NCCL_MAX_CTAS=8", 2, "none", {"NCCL_MAX_CTAS": "8"}),
-         ("2 GPUs, DDP, TORCH_NCCL_HIGH_PRIORITY=1", 2, "none", {"TORCH_NCCL_HIGH_PRIORITY": "1"})]
+# (name, GPUs, skip DDP's all-reduce, environment of the ranks)
+CASES = [("1 GPU", 1, False, {}),
+         ("2 GPUs, DDP without all-reduce", 2, True, {}),
+         ("2 GPUs, DDP", 2, False, {}),
+         ("2 GPUs, DDP, NCCL_PROTO=Simple", 2, False, {"NCCL_PROTO": "Simple"}),
+         ("2 GPUs, DDP, NCCL_MAX_CTAS=8", 2, False, {"NCCL_MAX_CTAS": "8"}),
+         ("2 GPUs, DDP, TORCH_NCCL_HIGH_PRIORITY=1", 2, False, {"TORCH_NCCL_HIGH_PRIORITY": "1"})]
 
 
 def skip_allreduce(state, bucket):
@@ -49,11 +50,22 @@ def skip_allreduce(state, bucket):
     return done
 
 
-def throughput(settings, warmup_steps, env_names):
+class WithoutAllReduce(speed.Speedups):
+    """The speed layer's plug-in, with DDP's all-reduce replaced by skip_allreduce."""
+
+    def wrap(self, model, device):
+        model = super().wrap(model, device)
+        model.register_comm_hook(None, skip_allreduce)
+        return model
+
+
+def throughput(settings, skip, warmup_steps, env_names):
     """Inside each rank: train; return the images per second after the warm-up steps, and the
     values of env_names this rank saw."""
-    train.COMM_HOOKS["skip"] = skip_allreduce
-    return bench.counted_throughput(train.run(**settings), warmup_steps), {k: os.environ.get(k) for k in env_names}
+    cfg, speedups = speed.check(**settings)
+    recipe = WithoutAllReduce(**dataclasses.asdict(speedups)) if skip else speedups
+    record = train.run(recipe=recipe, **dataclasses.asdict(cfg))
+    return bench.counted_throughput(record, warmup_steps), {k: os.environ.get(k) for k in env_names}
 
 
 def parse_args(argv=None):
@@ -89,9 +101,9 @@ def main(argv=None):
     backend = "gloo" if args.quick else "nccl"
     runs = {name: [] for name, _, _, _ in CASES}
     for repeat in range(args.repeats):
-        for name, gpus, hook, env in CASES:
+        for name, gpus, skip, env in CASES:
             results = launch(throughput, world_size=gpus, backend=backend, timeout=120, quiet=True, env=env,
-                             args=(dict(settings, comm_hook=hook), args.warmup_steps, list(env)))
+                             args=(settings, skip, args.warmup_steps, list(env)))
             seen = [ranks_env for _, ranks_env in results]
             if any(s != env for s in seen):  # a launcher that dropped the setting would measure nothing new
                 raise RuntimeError(f"{name}: the ranks saw {seen}, not {env}")
