@@ -286,8 +286,7 @@ class DeviceLoader:
     The next epoch's order is drawn halfway through this one, while the GPU still has
     steps queued. Drawing it takes the CPU milliseconds (the sampler's shuffle is a Python
     list); at the epoch's end, where the training loop waits for the GPU to log, the GPU
-    would sit idle that long (on 2 H200s it idled 9.4 ms at each epoch boundary, 1.8% of an
-    epoch of ResNet-18; 1 ms since the order is drawn early).
+    would sit idle that long (measured: notebooks/reference/recipe_sweeps.json, epoch_boundary_gap).
 
     train=True:  shuffled, augmented, incomplete last batch dropped (every rank must take
                  the same number of steps, or DDP's all-reduces would wait forever).

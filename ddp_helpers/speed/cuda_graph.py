@@ -27,7 +27,7 @@ DistributedDataParallel"; https://pytorch.org/docs/stable/notes/cuda.html#cuda-g
   Nobody may zero or replace them afterwards.
 - Autocast must not cache its casts inside a captured region (cache_enabled=False).
 - The notes also ask for NCCL_ASYNC_ERROR_HANDLING=0 before init_process_group; on torch 2.11
-  with 2 H200s, DDP capture trained and shut down cleanly without it (tests/test_train.py).
+  with 2 H200s, DDP capture trained and shut down cleanly without it (tests/test_speed.py).
 - The graph holds NCCL operations: free it (`release`) before destroy_process_group, which
   otherwise waits forever (seen on torch 2.11).
 The optimizer step stays outside the graph: a handful of foreach kernels, and the learning
