@@ -1,7 +1,8 @@
-"""Plumbing for notebook 05: turn a profiled DDP backward pass into a timeline.
+"""Plumbing for notebook 05: read what the profiler recorded around a DDP step.
 
 The lesson (wrapping the model in DDP, running and profiling backward) stays in the
-notebook; this only reads the profiler's events. Call it inside the rank that profiled.
+notebook; these functions only read the profiler's events. Call them inside the rank
+that profiled.
 """
 
 BACKWARD_PREFIX = "autograd::engine::evaluate_function"  # one event per autograd node the engine runs
@@ -10,23 +11,39 @@ DDP_LAUNCH = "c10d::allreduce_"                          # DDP hands a bucket to
 GLOO_ALL_REDUCE = "gloo:all_reduce"                      # Gloo's thread runs that all-reduce
 
 
+def profiler_events(prof):
+    """(name, start_ms, end_ms, input_shapes) of every CPU event of a finished `torch.profiler.profile`.
+    Reads the raw results: building `prof.events()` takes seconds for a few thousand events."""
+    raw = getattr(getattr(prof, "profiler", None), "kineto_results", None)
+    if raw is not None and hasattr(raw, "events"):
+        return [(e.name(), e.start_ns() / 1e6, e.end_ns() / 1e6, e.shapes()) for e in raw.events()]
+    return [(e.name, e.time_range.start / 1e3, e.time_range.end / 1e3, e.input_shapes) for e in prof.events()]
+
+
 def backward_timeline(prof):
-    """From a `torch.profiler.profile` around one DDP `loss.backward()`: a dict of times in ms
-    since the first autograd node started.
+    """From a profile around one DDP `loss.backward()`: a dict of times in ms since the first
+    autograd node started.
 
     backward_ms:    when the last autograd node ended (the window in which gradients are computed)
     gradients_ms:   when each parameter's gradient was written (end of each AccumulateGrad), in order
     launches_ms:    when DDP started each bucket's all-reduce (on the backward thread)
     all_reduces_ms: (start, end) of each all-reduce as Gloo's own thread ran it
     """
-    events = [(e.name, e.time_range.start / 1e3, e.time_range.end / 1e3) for e in prof.events()]
-    backward = [(s, e) for name, s, e in events if name.startswith(BACKWARD_PREFIX)]
+    events = profiler_events(prof)
+    backward = [(s, e) for name, s, e, _ in events if name.startswith(BACKWARD_PREFIX)]
     if not backward:
         raise ValueError("no autograd events in this profile: profile a loss.backward() call")
     start = min(s for s, _ in backward)
     return {
         "backward_ms": max(e for _, e in backward) - start,
-        "gradients_ms": sorted(e - start for name, _, e in events if name == GRADIENT_WRITTEN),
-        "launches_ms": sorted(s - start for name, s, _ in events if name == DDP_LAUNCH),
-        "all_reduces_ms": sorted((s - start, e - start) for name, s, e in events if name == GLOO_ALL_REDUCE),
+        "gradients_ms": sorted(e - start for name, _, e, _ in events if name == GRADIENT_WRITTEN),
+        "launches_ms": sorted(s - start for name, s, _, _ in events if name == DDP_LAUNCH),
+        "all_reduces_ms": sorted((s - start, e - start) for name, s, e, _ in events if name == GLOO_ALL_REDUCE),
     }
+
+
+def all_reduce_sizes(prof):
+    """The number of elements of each Gloo all-reduce in a profile made with `record_shapes=True`,
+    in the order they started."""
+    runs = sorted((s, shapes) for name, s, _, shapes in profiler_events(prof) if name == GLOO_ALL_REDUCE)
+    return [shapes[0][0] if shapes and shapes[0] else None for _, shapes in runs]

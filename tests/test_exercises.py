@@ -120,3 +120,101 @@ def test_torchrun_command_checker():
     assert not old and "deprecated: use torchrun" in repr(old)
     rank_list = exercises.check_torchrun_command("RANK=0,1 torchrun --nproc-per-node=2 -m ddp_helpers.train")
     assert "torchrun sets RANK" in repr(rank_list)
+
+
+# ---- notebook 05: one all-reduce for all gradients (the checker wraps dist.all_reduce in the ranks)
+def _copy_back(grads, bucket):
+    offset = 0
+    for g in grads:
+        g.copy_(bucket[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def per_parameter_average(model):  # right numbers, but one all_reduce per parameter
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= dist.get_world_size()
+
+
+def one_bucket_not_divided(model):
+    grads = [p.grad for p in model.parameters()]
+    bucket = torch.cat([g.flatten() for g in grads])
+    dist.all_reduce(bucket)
+    _copy_back(grads, bucket)
+
+
+def one_bucket_not_written_back(model):
+    bucket = torch.cat([p.grad.flatten() for p in model.parameters()])
+    dist.all_reduce(bucket)
+    bucket /= dist.get_world_size()
+
+
+def never_all_reduced(model):
+    for p in model.parameters():
+        p.grad /= dist.get_world_size()
+
+
+def weights_only_bucket(model):  # leaves the biases out of the buffer
+    grads = [p.grad for p in model.parameters() if p.dim() == 2]
+    bucket = torch.cat([g.flatten() for g in grads])
+    dist.all_reduce(bucket)
+    bucket /= dist.get_world_size()
+    _copy_back(grads, bucket)
+
+
+def one_bucket_with_avg(model):
+    grads = [p.grad for p in model.parameters()]
+    bucket = torch.cat([g.flatten() for g in grads])
+    dist.all_reduce(bucket, op=dist.ReduceOp.AVG)
+    _copy_back(grads, bucket)
+
+
+def only_rank_0_writes_back(model):
+    grads = [p.grad for p in model.parameters()]
+    bucket = torch.cat([g.flatten() for g in grads])
+    dist.all_reduce(bucket)
+    bucket /= dist.get_world_size()
+    if dist.get_rank() == 0:
+        _copy_back(grads, bucket)
+
+
+def divided_by_two(model):
+    grads = [p.grad for p in model.parameters()]
+    bucket = torch.cat([g.flatten() for g in grads])
+    dist.all_reduce(bucket)
+    bucket /= 2
+    _copy_back(grads, bucket)
+
+
+def test_one_bucket_average_accepts_the_solution_and_reduce_op_avg():
+    verdict = exercises.check_one_bucket_average(solutions.average_gradients_one_bucket)
+    assert verdict and repr(verdict) == "✅ average_gradients_one_bucket: correct."
+    assert exercises.check_one_bucket_average(one_bucket_with_avg)
+
+
+def test_one_bucket_average_rejects_one_all_reduce_per_parameter_although_the_result_is_right():
+    verdict = exercises.check_one_bucket_average(per_parameter_average)
+    assert not verdict and verdict.problems == [
+        f"world_size={n}, rank 0: you called all_reduce 4 times (once per parameter?): flatten all gradients "
+        f"into one buffer and all_reduce it once" for n in (2, 3)]
+
+
+def test_one_bucket_average_names_each_wrong_answer():
+    expected = {
+        one_bucket_not_divided: "world_size=2, rank 0: the gradients are the sum over the ranks, not the mean: "
+                                "divide the buffer by dist.get_world_size()",
+        one_bucket_not_written_back: "world_size=2, rank 0: the .grad tensors still hold this rank's own gradients: "
+                                     "copy the averaged buffer back into each p.grad",
+        never_all_reduced: "world_size=2, rank 0: you never called dist.all_reduce",
+        weights_only_bucket: "world_size=2, rank 0: your all_reduce carried 768 bytes, but the 4 gradients are "
+                             "848 bytes (212 floats): not all gradients are in the buffer",
+        only_rank_0_writes_back: "world_size=2: ranks disagree (rank(s) [0] right, rank 1 not): the .grad tensors "
+                                 "still hold this rank's own gradients",
+        divided_by_two: "world_size=3, rank 0: you divided by 2, but the world size here is 3",
+    }
+    for wrong, message in expected.items():
+        verdict = exercises.check_one_bucket_average(wrong)
+        assert not verdict and message in repr(verdict), (wrong.__name__, repr(verdict))
+    assert "divided by" not in repr(exercises.check_one_bucket_average(one_bucket_not_divided))
+    stub = exercises.check_one_bucket_average(still_a_stub)
+    assert not stub and stub.problems == ["still_a_stub still raises NotImplementedError: fill in the stub"]
