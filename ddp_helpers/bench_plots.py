@@ -174,13 +174,13 @@ def scaling_bars(ax, groups, gpus=2, ylabel="images / s"):
     return ax
 
 
-def labelled_barh(ax, labels, values, colors=None, reference=None, fmt="{:,.0f}"):
+def labelled_barh(ax, labels, values, colors=None, reference=None, fmt="{:,.0f}", missing="not measured"):
     """Horizontal bars, top to bottom in the order given, each labelled with its value and, with
-    `reference`, its ratio to it (e.g. 2 x one GPU). A value of None draws no bar and says so."""
+    `reference`, its ratio to it (e.g. 2 x one GPU). A value of None draws no bar, only `missing`."""
     labels, values = labels[::-1], values[::-1]
     colors = (colors or ["tab:gray"] * len(labels))[::-1]
     bars = ax.barh(labels, [v or 0 for v in values], color=colors)
-    texts = ["not measured" if v is None else fmt.format(v) + (f" ({v / reference:.3f})" if reference else "")
+    texts = [missing if v is None else fmt.format(v) + (f" ({v / reference:.3f})" if reference else "")
              for v in values]
     ax.bar_label(bars, texts, padding=3)
     ax.set_xlim(0, 1.4 * max(v for v in values if v is not None))

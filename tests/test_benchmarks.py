@@ -1,5 +1,5 @@
-"""benchmarks/ddp_cifar_gpu.py and ddp_overhead_gpu.py: their --quick CPU check runs end to end and
-writes sensible JSON; bad --fast-set values stop the script at once with a clear error."""
+"""benchmarks/ddp_cifar_gpu.py, ddp_overhead_gpu.py and perf_lab_1gpu.py: their --quick CPU check runs end
+to end and writes sensible JSON; bad --fast-set values stop the script at once with a clear error."""
 import csv
 import json
 import os
@@ -74,6 +74,36 @@ def test_ddp_overhead_gpu_quick_writes_every_case(tmp_path):
         assert len(case["runs"]) == report["settings"]["repeats"] and all(r > 0 for r in case["runs"])
         assert case["images_per_s"] == pytest.approx(sum(case["runs"]) / len(case["runs"]))
         assert case["of_2x_one_gpu"] == pytest.approx(case["images_per_s"] / (2 * one))
+
+
+@needs_mini
+def test_perf_lab_1gpu_quick_records_every_setting_and_each_failure(tmp_path):
+    report = quick_report("perf_lab_1gpu.py", tmp_path)
+    assert report["command"].startswith("benchmarks/perf_lab_1gpu.py --quick") and report["machine"]["torch"]
+    assert report["data"]["train_images"] == images_in(os.path.join(MINI, "train"))
+    modes = report["step_modes"]
+    assert sorted(modes) == ["fastnet", "resnet18"]
+    for model, by_mode in modes.items():
+        assert sorted(by_mode) == ["cuda_graph", "eager"]  # --quick leaves torch.compile out (minutes on a CPU)
+        eager = by_mode["eager"]
+        assert eager["error"] is None and len(eager["runs"]) == 1 and eager["images_per_s"] > 0
+        assert eager["step_ms"] == pytest.approx(eager["batch_size"] / eager["images_per_s"] * 1e3)
+        assert eager["batch_size"] == report["settings"]["models"][model]["batch_size"]
+        # CUDA graphs need a GPU: the failure is recorded with its message, once, and the run goes on
+        graph = by_mode["cuda_graph"]
+        assert graph["images_per_s"] is None and graph["runs"] == [] and "GPU" in graph["error"]
+    for experiment in ("data_pipeline", "loader_alone"):
+        loaders = report[experiment]
+        assert sorted(loaders) == ["DataLoader", "DeviceLoader"]
+        assert all(entry["error"] is None and entry["images_per_s"] > 0 for entry in loaders.values())
+    alone = report["loader_alone"]["DeviceLoader"]
+    assert alone["batches_per_s"] == pytest.approx(alone["images_per_s"] / alone["batch_size"])
+    # every run is a row: 2 models x 2 modes + 2 loaders x 2 experiments
+    assert len(report["rows"]) == 8 and sum(1 for row in report["rows"] if row["error"]) == 2
+    # the recorded settings are the ones that ran, without the recipes' step mode (the modes set it)
+    resnet = report["settings"]["models"]["resnet18"]
+    assert resnet["device"] == "cpu" and resnet["max_steps"] == report["settings"]["steps"]
+    assert "cuda_graph" not in resnet
 
 
 @pytest.mark.parametrize("setting, message", [("epochs=zero", "epochs takes int values"),
