@@ -123,7 +123,7 @@ class Plain:
         # DistributedSampler: rank r takes every world_size-th index of one shuffled order, the same on
         # all ranks; drop_last: every rank takes the same number of steps (DDP's all-reduces pair up).
         sampler = DistributedSampler(train_set, shuffle=True, seed=cfg.seed)
-        workers = dict(num_workers=4, persistent_workers=True, pin_memory=True) if device.type == "cuda" else {}
+        workers = dict(num_workers=4, pin_memory=True) if device.type == "cuda" else {}  # GPUs: decode in parallel
         train_loader = DataLoader(train_set, cfg.batch_size, sampler=sampler, drop_last=True, **workers)
         # Test: rank r scores images r, r + W, r + 2W, ...: each image exactly once (DistributedSampler
         # would pad with repeats, which would be counted twice).
@@ -139,6 +139,7 @@ class Plain:
 
     def forward_backward(self, model, images, labels):
         """The loss of one batch; its gradients, averaged over ranks by DDP, land in .grad."""
+        model.zero_grad(set_to_none=True)  # else backward adds to the last step's gradients
         with torch.autocast(images.device.type, torch.bfloat16, enabled=images.is_cuda):  # bf16 on GPUs
             loss = F.cross_entropy(model(images), labels, label_smoothing=0.1)
         loss.backward()  # DDP all-reduces the gradients here, bucket by bucket, during backward
@@ -208,7 +209,7 @@ def train(t):
     resume = find_resume(t)
     if resume:
         load_checkpoint(t, resume)
-    t.log.start(resume)
+    t.log.start(t, resume)
     if t.device.type == "cuda":
         torch.cuda.synchronize(t.device)
     barrier(t)  # start the clock together, nothing left queued on the GPU
@@ -219,13 +220,13 @@ def train(t):
         seconds = train_one_epoch(t, epoch)
         last = t.step >= t.total_steps or epoch == t.cfg.epochs - 1
         test_now = t.cfg.eval_every and (epoch + 1) % t.cfg.eval_every == 0 and not last
-        t.log.epoch(epoch, seconds, evaluate(t) if test_now else None)
+        t.log.epoch(t, epoch, seconds, evaluate(t) if test_now else None)
         if t.cfg.checkpoint:
             save_checkpoint(t, t.cfg.checkpoint.format(epoch=epoch), epoch)
     eval_start = time.perf_counter()
     test_loss, accuracy = evaluate(t)
     now = time.perf_counter()
-    return t.log.end(test_loss, accuracy, now - eval_start, now - start)  # time to accuracy: all included
+    return t.log.end(t, test_loss, accuracy, now - eval_start, now - start)  # time to accuracy: all included
 
 
 def train_one_epoch(t, epoch):
@@ -238,7 +239,6 @@ def train_one_epoch(t, epoch):
     for i, (images, labels) in enumerate(t.train_loader, start=1):
         images, labels = images.to(t.device, non_blocking=True), labels.to(t.device, non_blocking=True)
         lrs.append(t.schedule.get_last_lr()[0])
-        t.optimizer.zero_grad(set_to_none=True)
         losses.append(t.recipe.forward_backward(t.model, images, labels))  # stays on the device: no wait
         t.optimizer.step()
         t.schedule.step()
@@ -262,13 +262,15 @@ def log_steps(t, epoch, losses, lrs, window_start):
     everyone = [torch.empty_like(mine) for _ in range(t.world_size)]
     dist.all_gather(everyone, mine)
     table = torch.stack(everyone).cpu()  # (ranks, steps + 1): losses, then peak memory
-    t.log.steps(epoch, table, lrs, len(lrs) * t.cfg.batch_size * t.world_size / (time.perf_counter() - window_start))
+    t.log.steps(t, epoch, table, lrs, len(lrs) * t.cfg.batch_size * t.world_size / (time.perf_counter() - window_start))
 
 
 @torch.no_grad()
 def evaluate(t):
     """Each rank scores its share of the test set; one all_reduce sums (loss, correct, count) over ranks."""
     t.module.eval()
+    for buffer in t.module.buffers():  # BatchNorm's running statistics: each rank updated its own in training;
+        dist.broadcast(buffer, src=0)  # evaluate rank 0's everywhere, the model that rank 0 saves
     totals = torch.zeros(3, device=t.device)
     for images, labels in t.test_loader:
         images, labels = images.to(t.device, non_blocking=True), labels.to(t.device, non_blocking=True)

@@ -129,6 +129,8 @@ class Speedups(train.Plain):
             # A captured graph must not use autocast's cache of cast weights.
             self._captured = CapturedStep(functools.partial(step, model, label_smoothing=self.label_smoothing,
                                                             autocast_cache=False), self._stream)
+            if not self.device_loader:  # the DataLoader's pin-memory thread calls CUDA while we capture:
+                self._captured.capture_error_mode = "thread_local"  # only this thread's calls must be capturable
         return self._captured(images, labels)
 
     def predict(self, model, images):
