@@ -256,8 +256,10 @@ def notebook_cell_sources():
 def forkserver():
     ctx = multiprocessing.get_context("forkserver")
     # Only takes effect when the forkserver first starts: it imports these once for all workers.
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "cloudpickle", "ddp_helpers.worker",
-                                "ddp_helpers.pool"])
+    # torch._dynamo: the first optimizer or DDP of a process imports it (over a second, in every rank);
+    # torchvision's transforms: the reference trainer's. A name that fails to import is skipped.
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "torchvision.transforms.v2",
+                                "cloudpickle", "ddp_helpers.worker", "ddp_helpers.pool"])
     return "forkserver"
 
 

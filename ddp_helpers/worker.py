@@ -130,6 +130,11 @@ def init_process_group(backend, local_rank, timeout_s):
     if backend == "nccl":
         torch.cuda.set_device(local_rank)  # before init, so NCCL binds this rank to its own GPU
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    if backend == "gloo":
+        # Gloo connects every pair of ranks inside init. Without this barrier a rank with nothing
+        # to do could finish and exit while a peer was still connecting to it ("connectFullMesh
+        # failed ... Connection closed by peer", a few launches in a hundred).
+        dist.barrier()
 
 
 def describe_exception(exc):
