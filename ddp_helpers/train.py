@@ -57,11 +57,13 @@ class Config:
 
 
 def checks(c):
-    at_least_1 = ("width", "epochs", "batch_size", "log_every", "per_class", "test_per_class", "max_steps", "fail_at_step")
+    below_1 = [f"{n}={getattr(c, n)}" for n in ("width", "epochs", "batch_size", "log_every", "per_class",
+               "test_per_class", "max_steps", "fail_at_step") if getattr(c, n) is not None and getattr(c, n) < 1]
     return [(c.model in models.MODELS, f"model must be one of {list(models.MODELS)}, got {c.model!r}"),
-            (all(getattr(c, n) is None or getattr(c, n) >= 1 for n in at_least_1),
-             f"{', '.join(at_least_1)} must be at least 1 (the last four may be None)"),
-            (c.lr > 0 and c.eval_every >= 0 and c.fail_rank >= 0, "lr must be > 0, eval_every and fail_rank >= 0"),
+            (not below_1, f"{', '.join(below_1)}: must be at least 1"),
+            (c.lr > 0, f"lr must be positive, got {c.lr}"),
+            (c.eval_every >= 0 and c.fail_rank >= 0, f"eval_every and fail_rank must be >= 0, got "
+                                                     f"{c.eval_every} and {c.fail_rank}"),
             (c.device in ("auto", "cpu", "cuda"), f"device must be auto, cpu or cuda, got {c.device!r}"),
             (c.device != "cuda" or torch.cuda.is_available(), "device='cuda' but torch sees no GPU here"),
             (c.resume in (None, "auto") or os.path.isfile(c.resume), f"no checkpoint at resume={c.resume!r}"),
@@ -175,6 +177,8 @@ class Trainer:
 
 
 def build(cfg, recipe, device):
+    if cfg.fail_at_step and cfg.fail_rank >= dist.get_world_size():
+        raise ValueError(f"fail_rank={cfg.fail_rank}, but there are {dist.get_world_size()} rank(s)")
     train_loader, test_loader = recipe.loaders(cfg, device)
     if len(train_loader) == 0:
         raise ValueError(f"batch_size={cfg.batch_size} on each of {dist.get_world_size()} ranks is more "

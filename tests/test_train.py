@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_helpers import data, launch, live, machine, models, torchrun, train
+from ddp_helpers import WorkerError, data, launch, live, machine, models, torchrun, train
 from ddp_helpers.launcher import loopback_interface
 from like_torchrun import run_module_like_torchrun
 
@@ -458,9 +458,9 @@ BAD_SETTINGS = [  # (settings, error, a regular expression for its message)
     *[({name: 0}, ValueError, name + r"\b.* must be at least 1")
       for name in ("width", "epochs", "batch_size", "per_class", "test_per_class", "max_steps", "log_every",
                    "fail_at_step")],
-    (dict(lr=0), ValueError, r"lr must be > 0"),
+    (dict(lr=0), ValueError, r"lr must be positive, got 0"),
     (dict(eval_every=-1), ValueError, r"eval_every .*>= 0"),
-    (dict(fail_rank=-1), ValueError, r"fail_rank >= 0"),
+    (dict(fail_rank=-1), ValueError, r"fail_rank must be >= 0, got .* and -1"),
     (dict(device="tpu"), ValueError, r"device must be auto, cpu or cuda, got 'tpu'"),
     (dict(resume="/nonexistent/ckpt.pt"), ValueError, r"no checkpoint at resume='/nonexistent/ckpt.pt'"),
     (dict(resume="auto"), ValueError, r"resume='auto' looks for the files checkpoint names"),
@@ -527,3 +527,9 @@ def test_cli_under_real_torchrun():
     assert done.ok, done.logs[0]
     assert "fastnet on 2 rank(s), cpu, gloo: 5 steps/epoch" in done.logs[0]
     assert "done: test accuracy" in done.logs[0]
+
+
+def test_a_fault_for_a_rank_that_does_not_exist_is_a_clear_error():
+    # fail_rank=2 in a world of 2: the injected fault would silently never fire
+    with pytest.raises(WorkerError, match=r"fail_rank=2, but there are 2 rank\(s\)"):
+        launch(train.run, 2, "gloo", kwargs=dict(TINY, fail_at_step=3, fail_rank=2), quiet=True)
