@@ -74,8 +74,8 @@ def parse_args(argv=None):
         if args.quick:  # what runs is what the JSON records
             args.resnet.update(batch_size=8, log_every=1, cuda_graph=False)
             args.fast.update(width=8, batch_size=50, epochs=2, cuda_graph=False)
-        for settings in (args.resnet, args.fast):  # bad values fail here, before any process starts
-            speed.check(**dict(settings, cuda_graph=settings["cuda_graph"] and machine.gpu_count() > 0))
+        for chosen in (args.resnet, args.fast):  # bad values fail here, before any process starts
+            speed.check(**dict(chosen, cuda_graph=chosen["cuda_graph"] and machine.gpu_count() > 0))
     except (TypeError, ValueError) as err:
         p.error(str(err))
     if not args.data:

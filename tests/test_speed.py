@@ -5,7 +5,6 @@ The reference trainer it plugs into (ddp_helpers.train) is tested in test_train.
 import copy
 import inspect
 import os
-import tempfile
 import warnings
 
 import pytest
@@ -16,7 +15,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ddp_helpers import data, launch, live, machine, models, speed, train
-from ddp_helpers.launcher import loopback_interface
 
 needs_mini = pytest.mark.skipif(
     not os.environ.get(data.ENV_VAR),
@@ -33,26 +31,7 @@ SMALL = dict(width=8, per_class=5, test_per_class=2, batch_size=10, log_every=1,
 FAST_OPTIONS = {k: v for k, v in speed.recipes.FAST.items() if k in speed.SPEED_OPTIONS and k != "cuda_graph"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def own_launch_folders(tmp_path_factory):
-    """launch's logs go to a folder of this module's own: launch deletes all but the newest 20 run
-    folders of this user, also those of launches still running in other processes (seen: another
-    session's tests made this module's ranks exit with code 1)."""
-    saved = tempfile.tempdir
-    tempfile.tempdir = str(tmp_path_factory.mktemp("launches"))
-    yield
-    tempfile.tempdir = saved
-
-
-@pytest.fixture(autouse=True)
-def one_thread(monkeypatch):
-    """For runs in this process: one thread (two threads on a busy 2-core machine made these small
-    steps 20x slower), and the loopback interface that train.setup would set for good."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", loopback_interface())
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("own_launch_folders", "one_thread")  # tests/conftest.py
 
 
 def run_and_keep(**settings):

@@ -26,7 +26,6 @@ import io
 import json
 import os
 import re
-import tempfile
 import warnings
 import weakref
 
@@ -37,7 +36,6 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_helpers import WorkerError, data, launch, live, machine, models, torchrun, train
-from ddp_helpers.launcher import loopback_interface
 from like_torchrun import run_module_like_torchrun
 
 needs_mini = pytest.mark.skipif(
@@ -49,26 +47,7 @@ TINY = dict(width=8, per_class=50, test_per_class=10, batch_size=25, lr=0.4, log
 SMALL = dict(width=8, per_class=5, test_per_class=2, batch_size=10, log_every=1, verbose=False, device="cpu")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def own_launch_folders(tmp_path_factory):
-    """launch's logs go to a folder of this module's own: launch deletes all but the newest 20 run
-    folders of this user, also those of launches still running in other processes (seen: another
-    session's tests made this module's ranks exit with code 1)."""
-    saved = tempfile.tempdir
-    tempfile.tempdir = str(tmp_path_factory.mktemp("launches"))
-    yield
-    tempfile.tempdir = saved
-
-
-@pytest.fixture(autouse=True)
-def one_thread(monkeypatch):
-    """For runs in this process: one thread (two threads on a busy 2-core machine made these small
-    steps 20x slower), and the loopback interface that train.setup would set for good."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", loopback_interface())
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("own_launch_folders", "one_thread")  # tests/conftest.py
 
 
 class Spy(train.Plain):
