@@ -153,8 +153,8 @@ def test_fault_and_resume_options_are_checked(capsys):
     cfg = train.parse_args(["--checkpoint", "c/e-{epoch}.pt", "--resume", "auto", "--fail-at-step", "8", "--fail-rank", "1"])
     assert (cfg.resume, cfg.fail_at_step, cfg.fail_rank) == ("auto", 8, 1)
     for argv, message in [(["--resume", "auto"], "resume='auto' looks for the files checkpoint names"),
-                          (["--fail-at-step", "0"], "fail_at_step must be at least 1"),
-                          (["--fail-rank", "-1"], "fail_rank >= 0")]:
+                          (["--fail-at-step", "0"], "fail_at_step=0: must be at least 1"),
+                          (["--fail-rank", "-1"], "fail_rank must be >= 0")]:
         with pytest.raises(SystemExit) as done:
             train.parse_args(argv)
         assert done.value.code == 2 and message in capsys.readouterr().err
