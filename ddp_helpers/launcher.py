@@ -28,9 +28,12 @@ import pickle
 import shutil
 import signal
 import socket
+import stat
 import sys
 import tempfile
+import threading
 import time
+import warnings
 import types
 from datetime import timedelta
 
@@ -39,13 +42,17 @@ import torch.distributed as dist
 import torch.multiprocessing
 
 from . import machine
-from .worker import WorkerJob, error_file, result_file, run_worker, stderr_pipe, stdout_pipe
+from .worker import WorkerJob, _process_alive, error_file, result_file, run_worker, stderr_pipe, stdout_pipe
 
 BACKENDS = ("gloo", "nccl", "auto")
 MAX_WORLD_SIZE = 64          # one machine; past this use torchrun across nodes
 STOP_GRACE_S = 2.0           # SIGTERM, then SIGKILL after this long
-KEPT_RUN_DIRS = 20           # logs of the most recent launches kept on disk
+KEPT_RUN_DIRS = 20           # logs of the most recent finished launches kept on disk
+MAX_TIMEOUT_S = 30 * 24 * 3600   # 30 days; far larger ones overflow torch's timeouts in the workers
 _run_counter = itertools.count()
+_run_dirs_lock = threading.Lock()
+_live_run_dirs = set()       # run folders of this process still in use (a launch running, a pool up)
+_fallback_roots = {}         # (temp dir, uid) -> a private root, when the usual one cannot be trusted
 
 
 class WorkerError(RuntimeError):
@@ -94,14 +101,17 @@ def launch(fn, world_size=2, backend="gloo", args=(), kwargs=None, timeout=120,
     extra_env = check_env(env)
 
     run_dir = new_run_dir()
-    with Rendezvous() as store:
-        job = WorkerJob(
-            payload=payload, world_size=world_size, backend=backend, init=init,
-            pg_timeout_s=timeout, run_dir=run_dir,
-            env=worker_env(world_size, store.port, extra_env), launcher_pid=os.getpid(),
-            cell_sources=notebook_cell_sources(),
-        )
-        return _run(job, timeout, quiet)
+    try:
+        with Rendezvous() as store:
+            job = WorkerJob(
+                payload=payload, world_size=world_size, backend=backend, init=init,
+                pg_timeout_s=timeout, run_dir=run_dir,
+                env=worker_env(world_size, store.port, extra_env), launcher_pid=os.getpid(),
+                cell_sources=notebook_cell_sources(),
+            )
+            return _run(job, timeout, quiet)
+    finally:
+        release_run_dir(run_dir)
 
 
 # ---------------------------------------------------------------- input checks
@@ -137,6 +147,9 @@ def pickle_job(fn, args, kwargs):
         raise TypeError(f"args must be a tuple, got {type(args).__name__}")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise TypeError(f"kwargs must be a dict or None, got {type(kwargs).__name__}")
+    bad_keys = [k for k in (kwargs or {}) if not isinstance(k, str)]
+    if bad_keys:
+        raise TypeError(f"kwargs keys must be strings (they become keyword argument names), got {bad_keys!r}")
     for what, value in (("the function", fn), ("args", tuple(args)), ("kwargs", kwargs or {})):
         try:
             dumps(value)
@@ -168,8 +181,10 @@ def dumps(obj):
 
 
 def check_timeout(timeout):
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+            or not 0 < timeout <= MAX_TIMEOUT_S):  # also rejects nan and inf
+        raise ValueError(f"timeout must be a positive number of seconds, at most {MAX_TIMEOUT_S} "
+                         f"({MAX_TIMEOUT_S // 86400} days), got {timeout!r}")
     return float(timeout)
 
 
@@ -264,12 +279,107 @@ def forkserver():
 
 
 def new_run_dir():
-    root = os.path.join(tempfile.gettempdir(), f"ddp_helpers-{os.getuid()}")
-    os.makedirs(root, exist_ok=True)
-    old = sorted((os.path.join(root, d) for d in os.listdir(root)), key=os.path.getmtime)
-    for stale in old[:-KEPT_RUN_DIRS]:
+    """A new folder for one launch (or one pool's workers), in this user's private scratch root.
+
+    Its name records the process that made it (`run-HHMMSS-<pid>-<n>-...`). It counts as live
+    until `release_run_dir`; old folders are pruned (all but the newest KEPT_RUN_DIRS), but only
+    released ones of this process and those of processes that are gone: never a run still going
+    on here or in another notebook kernel.
+    """
+    with _run_dirs_lock:
+        root = run_root()
+        _prune(root)
+        pid = os.getpid()
+        path = tempfile.mkdtemp(prefix=f"run-{time.strftime('%H%M%S')}-{pid}-{next(_run_counter)}-", dir=root)
+        _live_run_dirs.add(path)
+        return path
+
+
+def release_run_dir(path):
+    """The run in `path` is over: its folder (logs) may be pruned by later launches."""
+    with _run_dirs_lock:
+        _live_run_dirs.discard(path)
+
+
+def run_root():
+    """`$TMPDIR/ddp_helpers-<uid>`, made with mode 0700, if it is a real folder of this user that
+    nobody else can write to; otherwise (planted by another user, a symlink, ...) a private
+    folder made for this process, with a warning. Result files in run folders are unpickled:
+    nobody else may be able to put or rename anything there."""
+    tmp, uid = tempfile.gettempdir(), os.getuid()
+    root = os.path.join(tmp, f"ddp_helpers-{uid}")
+    try:
+        os.mkdir(root, 0o700)
+    except FileExistsError:
+        pass
+    problem = _untrusted_root(root, uid)
+    if problem is None:
+        return root
+    fallback = _fallback_roots.get((tmp, uid))
+    if fallback is None or _untrusted_root(fallback, uid) is not None:
+        fallback = tempfile.mkdtemp(prefix=f"ddp_helpers-{uid}-", dir=tmp)  # new, 0700, ours
+        _fallback_roots[(tmp, uid)] = fallback
+        warnings.warn(f"not using {root}: {problem}; run folders go to {fallback} instead", stacklevel=3)
+    return fallback
+
+
+def _untrusted_root(path, uid):
+    """Why `path` cannot hold run folders, or None when it can (then it is made mode 0700)."""
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        return f"cannot inspect it ({exc})"
+    if stat.S_ISLNK(st.st_mode):
+        return "it is a symbolic link"
+    if not stat.S_ISDIR(st.st_mode):
+        return "it is not a folder"
+    if st.st_uid != uid:
+        return f"it belongs to user id {st.st_uid}, not {uid}"
+    if st.st_mode & 0o022:
+        return f"other users can write to it (mode {stat.S_IMODE(st.st_mode):o})"
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        try:
+            os.chmod(path, 0o700, follow_symlinks=False)  # e.g. 0755 from older versions: logs stay private
+        except (OSError, NotImplementedError):
+            pass
+    return None
+
+
+def _run_dir_owner(name):
+    """PID recorded in a run folder's name (`run-HHMMSS-<pid>-<n>-...`), or None for other names."""
+    parts = name.split("-")
+    if len(parts) >= 5 and parts[0] == "run" and parts[2].isdigit() and parts[3].isdigit():
+        return int(parts[2])
+    return None
+
+
+def _prune(root):
+    """Delete all but the newest KEPT_RUN_DIRS finished run folders (caller holds _run_dirs_lock).
+    Other processes prune the same root at the same time: anything may vanish meanwhile."""
+    me = os.getpid()
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return
+    finished = []
+    for name in names:
+        path = os.path.join(root, name)
+        owner = _run_dir_owner(name)
+        if owner is None:
+            if not name.startswith("run-"):
+                continue  # not ours to delete
+        elif owner == me:
+            if path in _live_run_dirs:
+                continue
+        elif _process_alive(owner):
+            continue  # another process's run: it may still be going on, and it prunes its own
+        try:
+            finished.append((os.lstat(path).st_mtime, path))
+        except FileNotFoundError:
+            continue
+    finished.sort()
+    for _, stale in finished[:-KEPT_RUN_DIRS]:
         shutil.rmtree(stale, ignore_errors=True)
-    return tempfile.mkdtemp(prefix=f"run-{time.strftime('%H%M%S')}-{next(_run_counter)}-", dir=root)
 
 
 def _run(job, timeout, quiet):

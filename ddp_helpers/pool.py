@@ -31,8 +31,8 @@ import torch.multiprocessing
 from .cells import PerRank, globals_to_send
 from .launcher import (OutputPump, Rendezvous, WorkerError, WorkerTimeout, check_env, check_timeout,
                        check_world_size, describe_exit, dump_stacks, dumps, error_from_record,
-                       forkserver, new_run_dir, notebook_cell_sources, remove_scratch,
-                       resolve_backend, stop_processes, worker_env)
+                       forkserver, new_run_dir, notebook_cell_sources, release_run_dir,
+                       remove_scratch, resolve_backend, stop_processes, worker_env)
 from .worker import (WorkerJob, describe_exception, exec_cell, init_process_group, rank_namespace,
                      setup_worker_process, to_cpu)
 
@@ -109,9 +109,18 @@ class Pool:
     # ------------------------------------------------------------ internals
     def _start(self):
         n = self.world_size
-        self.run_dir = new_run_dir()
-        self._rendezvous = Rendezvous().__enter__()
-        self._output = OutputPump(self.run_dir, n, quiet=False)
+        self.run_dir = new_run_dir()   # live (never pruned) until _discard releases it
+        try:
+            self._rendezvous = Rendezvous().__enter__()
+        except BaseException:
+            release_run_dir(self.run_dir)
+            raise
+        try:
+            self._output = OutputPump(self.run_dir, n, quiet=False)
+        except BaseException:
+            self._rendezvous.__exit__(None, None, None)
+            release_run_dir(self.run_dir)
+            raise
         pipes = [multiprocessing.Pipe() for _ in range(n)]
         job = WorkerJob(payload=b"", world_size=n, backend=self.backend, init=True,
                         pg_timeout_s=PG_TIMEOUT_S, run_dir=self.run_dir,
@@ -218,6 +227,7 @@ class Pool:
         self._output.close()
         self._rendezvous.__exit__(None, None, None)
         remove_scratch(self.run_dir, self.world_size)
+        release_run_dir(self.run_dir)
         self._procs, self._conns = None, []
 
 

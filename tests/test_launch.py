@@ -264,6 +264,11 @@ def test_rank_stuck_in_collective_times_out():
     (dict(backend="mpich"), ValueError, "unknown backend 'mpich'"),
     (dict(timeout=0), ValueError, "timeout must be a positive number"),
     (dict(timeout="10"), ValueError, "timeout must be a positive number"),
+    (dict(timeout=-1), ValueError, "timeout must be a positive number"),
+    (dict(timeout=float("nan")), ValueError, "timeout must be a positive number"),
+    (dict(timeout=float("inf")), ValueError, "timeout must be a positive number"),
+    (dict(timeout=1e14), ValueError, "timeout must be a positive number"),
+    (dict(kwargs={1: 2}), TypeError, "kwargs keys must be strings"),
     (dict(args=(threading.Lock(),)), TypeError, "cannot send args to the workers"),
     (dict(kwargs={"g": (i for i in range(3))}), TypeError, "cannot send kwargs to the workers"),
     (dict(args=5), TypeError, "args must be a tuple"),
@@ -381,3 +386,134 @@ def test_launches_without_a_collective_never_fail_to_connect():
     # With that rate, 100 launches would have failed at least once 9 times in 10.
     results = [launch(lambda: 1, 2, quiet=True) for _ in range(100)]
     assert results == [[1, 1]] * 100
+
+
+# ---- run folders: never another process's live run, never a folder others can write to ----
+HOLD_A_RUN_DIR = """
+import sys, tempfile
+from ddp_helpers import launcher
+print(launcher.new_run_dir(), flush=True)
+sys.stdin.read()   # keeps the folder's run live until the test closes our stdin
+"""
+
+PRUNE_IN_A_LOOP = """
+import os, sys, time
+from ddp_helpers import launcher
+open(sys.argv[1] + f".ready{os.getpid()}", "w").close()
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.001)
+for _ in range(1000):
+    folder = launcher.new_run_dir()
+    getattr(launcher, "release_run_dir", lambda folder: None)(folder)
+"""
+
+
+def private_root(tmp_path):
+    return os.path.join(str(tmp_path), f"ddp_helpers-{os.getuid()}")
+
+
+@pytest.fixture
+def own_tempdir(tmp_path, monkeypatch):
+    """launch's scratch root under tmp_path, for this process and the processes it starts."""
+    monkeypatch.setattr(__import__("tempfile"), "tempdir", str(tmp_path))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    return tmp_path
+
+
+def test_run_folder_of_a_live_other_process_survives_later_launches(own_tempdir):
+    import subprocess
+    import sys
+    other = subprocess.Popen([sys.executable, "-c", HOLD_A_RUN_DIR], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        theirs = other.stdout.readline().strip()
+        assert os.path.isdir(theirs)
+        for _ in range(launch_module.KEPT_RUN_DIRS + 5):
+            assert launch(lambda: 1, 1, quiet=True) == [1]
+        assert os.path.isdir(theirs), "a live run of another process was deleted"
+    finally:
+        other.stdin.close()
+        other.wait(timeout=60)
+    launch(lambda: 1, 1, quiet=True)
+    assert not os.path.exists(theirs), "the folder of a process that is gone is pruned like any old run"
+
+
+def test_a_pools_folder_survives_later_launches(own_tempdir):
+    from ddp_helpers.pool import Pool
+    with Pool(world_size=1) as pool:
+        for _ in range(launch_module.KEPT_RUN_DIRS + 5):
+            launch(lambda: 1, 1, quiet=True)
+        assert os.path.isdir(pool.run_dir)
+        assert list(pool.run_cell("rank + 1")) == [1]
+
+
+def test_two_processes_pruning_at_once_do_not_crash(own_tempdir):
+    import subprocess
+    import sys
+    go = own_tempdir / "go"
+    # folders of a process that is gone: both processes prune them at once
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    os.makedirs(private_root(own_tempdir), mode=0o700)
+    for i in range(40):
+        os.mkdir(os.path.join(private_root(own_tempdir), f"run-000000-{dead.pid}-{i}-orphan"))
+    procs = [subprocess.Popen([sys.executable, "-c", PRUNE_IN_A_LOOP, str(go)], stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    deadline = time.monotonic() + 120
+    while len(list(own_tempdir.glob("go.ready*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)   # both have imported torch: they start together
+    go.write_text("")
+    errors = [p.communicate(timeout=300)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(errors)
+
+
+def test_a_world_writable_scratch_root_is_not_used(own_tempdir):
+    planted = private_root(own_tempdir)
+    os.mkdir(planted)
+    os.chmod(planted, 0o777)  # as if another user had made it first
+    with pytest.warns(UserWarning, match="other users can write to it"):
+        assert launch(lambda: 1, 2, quiet=True) == [1, 1]
+    with pytest.raises(WorkerError) as info:
+        launch(lambda: 1 / 0, 1, quiet=True)
+    assert os.listdir(planted) == [], "nothing may be written to (or read from) a folder others can change"
+    root = os.path.dirname(info.value.log_dir)
+    assert not root.startswith(planted + os.sep)
+    assert os.stat(root).st_uid == os.getuid() and os.stat(root).st_mode & 0o777 == 0o700
+
+
+def test_a_scratch_root_of_another_user_is_not_used(own_tempdir, monkeypatch):
+    real_uid = os.getuid()
+    monkeypatch.setattr(os, "getuid", lambda: real_uid + 1)
+    planted = private_root(own_tempdir)   # named for "our" uid, but owned by real_uid: someone else
+    os.mkdir(planted, 0o700)
+    with pytest.warns(UserWarning, match=f"it belongs to user id {real_uid}"):
+        folder = launch_module.new_run_dir()
+    getattr(launch_module, "release_run_dir", lambda folder: None)(folder)
+    assert not folder.startswith(planted + os.sep)
+    assert os.listdir(planted) == []
+
+
+@pytest.mark.parametrize("target", ["missing", "a folder"])
+def test_a_symlink_at_the_scratch_root_is_not_followed(own_tempdir, target):
+    where = own_tempdir / "elsewhere"
+    if target == "a folder":
+        where.mkdir(mode=0o700)
+    os.symlink(where, private_root(own_tempdir))
+    with pytest.warns(UserWarning, match="it is a symbolic link"):
+        assert launch(lambda: 1, 2, quiet=True) == [1, 1]
+    assert os.path.islink(private_root(own_tempdir))
+    assert (not where.exists()) if target == "missing" else list(where.iterdir()) == []
+
+
+def test_the_scratch_root_is_private(own_tempdir):
+    assert launch(lambda: 1, 1, quiet=True) == [1]
+    assert os.stat(private_root(own_tempdir)).st_mode & 0o777 == 0o700
+
+
+def test_an_own_scratch_root_readable_by_others_is_made_private(own_tempdir):
+    os.mkdir(private_root(own_tempdir))
+    os.chmod(private_root(own_tempdir), 0o755)   # as older versions made it
+    with pytest.raises(WorkerError) as info:
+        launch(lambda: 1 / 0, 1, quiet=True)
+    assert os.path.dirname(info.value.log_dir) == private_root(own_tempdir)
+    assert os.stat(private_root(own_tempdir)).st_mode & 0o777 == 0o700
