@@ -9,9 +9,9 @@ from ddp_helpers.launcher import loopback_interface
 
 @pytest.fixture(scope="module")
 def own_launch_folders(tmp_path_factory):
-    """launch's logs go to a folder of this module's own: launch deletes all but the newest 20 run
-    folders of this user, also those of launches still running in other processes (seen: another
-    session's tests made this module's ranks exit with code 1)."""
+    """launch's logs go to a folder of this module's own, apart from the runs of other processes (an
+    older launcher pruned other processes' live run folders: another session's tests made this
+    module's ranks exit with code 1)."""
     saved = tempfile.tempdir
     tempfile.tempdir = str(tmp_path_factory.mktemp("launches"))
     yield
