@@ -135,8 +135,8 @@ class Plain:
     def optimizer(self, model, cfg, total_steps):
         """SGD with Nesterov momentum; the learning rate rises for a quarter of the steps, then falls."""
         optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9, nesterov=True, weight_decay=5e-4)
-        schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, cfg.lr, total_steps=total_steps,
-                                                       pct_start=0.25, anneal_strategy="linear")
+        schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, cfg.lr, total_steps=total_steps, pct_start=0.25,
+                                                       anneal_strategy="linear", cycle_momentum=False)
         return optimizer, schedule
 
     def forward_backward(self, model, images, labels):

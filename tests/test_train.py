@@ -166,6 +166,19 @@ def test_lr_is_the_peak_of_the_one_cycle_schedule():
 
 
 @needs_mini
+def test_the_momentum_is_what_the_code_says():
+    # OneCycleLR cycles the momentum too (0.85 to 0.95) unless told not to: the reference trainer
+    # says momentum=0.9, so the schedule must leave it there.
+    class Keep(Spy):
+        def optimizer(self, model, cfg, total_steps):
+            self.optimizer_, schedule = super().optimizer(model, cfg, total_steps)
+            return self.optimizer_, schedule
+    recipe = Keep()
+    train.run(recipe, **SMALL, epochs=2)
+    assert [g["momentum"] for g in recipe.optimizer_.param_groups] == [0.9]
+
+
+@needs_mini
 def test_max_steps_stops_there_and_the_schedule_fits_them():
     record = train.run(**SMALL, lr=0.2, epochs=3, max_steps=7)   # 15 steps without max_steps
     assert record["total_steps"] == 7 and [s["step"] for s in record["steps"]] == list(range(1, 8))
