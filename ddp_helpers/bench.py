@@ -443,19 +443,32 @@ def parse_args(argv=None):
     p.add_argument("-n", "--iters", type=int, default=20, help="timed calls per size (default 20)")
     p.add_argument("-w", "--warmup", type=int, default=5, help="untimed calls before them (default 5)")
     p.add_argument("-G", "--cuda-graph", action="store_true", help="time CUDA-graph replays (NCCL only)")
-    p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda if there is a GPU, else cpu")
-    p.add_argument("--backend", choices=("gloo", "nccl"), help="default: nccl on cuda, gloo on cpu")
+    p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda if every rank gets a GPU, else cpu")
+    p.add_argument("--backend", choices=("gloo", "nccl"), help="default: nccl if every rank gets a GPU, else gloo")
     p.add_argument("--nproc", type=int, default=2, help="ranks to start when not run under torchrun (default 2)")
     p.add_argument("--csv", help="also write the rows to this CSV file")
     args = p.parse_args(argv)
-    args.device = args.device or ("cuda" if machine.gpu_count() else "cpu")
-    args.backend = args.backend or ("nccl" if args.device == "cuda" else "gloo")
+    # Ranks on this machine: torchrun's, or the ones we start. NCCL needs a GPU of its own for each.
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1))) if "RANK" in os.environ else args.nproc
+    gpus = machine.gpu_count()
+    one_gpu_each = gpus >= ranks and dist.is_nccl_available()
+    if args.backend == "nccl" and not one_gpu_each:
+        p.error(f"--backend nccl needs one GPU per rank: {ranks} ranks here, {gpus} GPU(s)")
+    chosen = [name for name in ("device", "backend") if getattr(args, name) is None]
+    args.device = args.device or ("cuda" if one_gpu_each or args.backend == "nccl" else "cpu")
+    args.backend = args.backend or ("nccl" if args.device == "cuda" and one_gpu_each else "gloo")
+    why = f"{ranks} rank(s), {gpus} GPU(s)" + ("" if one_gpu_each or not gpus else ": NCCL needs one GPU per rank")
+    args.chosen = f"# chose {' and '.join(f'{n} {getattr(args, n)}' for n in chosen)} ({why})" if chosen else None
     return args
 
 
 def main(argv=None):
     args = parse_args(argv)
     sizes = size_range(args.min_bytes, args.max_bytes, args.factor)
+    for size in sizes:  # bad sizes: an error now, before anything else is said or started
+        plan(args.collective, size, resolve_dtype(args.dtype).itemsize, int(os.environ.get("WORLD_SIZE", args.nproc)))
+    if args.chosen and os.environ.get("RANK", "0") == "0":  # what was chosen for the user, said once
+        print(args.chosen, file=sys.stderr)
     options = dict(dtype=args.dtype, device=args.device, iters=args.iters, warmup=args.warmup,
                    cuda_graph=args.cuda_graph)
     if "RANK" not in os.environ:  # not under torchrun: start the ranks ourselves

@@ -346,3 +346,18 @@ def test_gpu_reference_parses_nccl_tests_and_compares():
     topo = ("\t\x1b[4mGPU0\tGPU1\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID\x1b[0m\n"
             "GPU0\t X \tNV18\t0-31\t0\t\tN/A\nGPU1\tNV18\t X \t0-31\t0\t\tN/A\n")  # as seen on 2 H200s
     assert ref.interconnect(topo) == "NV18"
+
+
+@pytest.mark.parametrize("gpus, expected", [(0, ("cpu", "gloo")), (1, ("cpu", "gloo")), (2, ("cuda", "nccl"))])
+def test_cli_never_puts_two_nccl_ranks_on_one_gpu(monkeypatch, capsys, gpus, expected):
+    # Seen on a 1-GPU machine: the CLI picked NCCL for 2 ranks because there was a GPU, and hung.
+    monkeypatch.setattr(bench.machine, "gpu_count", lambda: gpus)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    args = bench.parse_args(["--nproc", "2"])
+    assert (args.device, args.backend) == expected
+    assert f"2 rank(s), {gpus} GPU(s)" in args.chosen   # main() says it, in one line
+    if gpus < 2:
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--nproc", "2", "--backend", "nccl"])
+        assert "needs one GPU per rank: 2 ranks here" in capsys.readouterr().err
