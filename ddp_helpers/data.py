@@ -59,14 +59,7 @@ def load_cifar10(train=True, root=None, per_class=None, download_root=None):
     others wait at a barrier, then they read what it left: downloading in every rank at
     once races on the same files.
     """
-    folder = root or os.environ.get(ENV_VAR) or None
-    if folder:
-        check_folder(folder)
-    else:
-        download_root = download_root or os.path.join(cache_dir(), "torchvision")
-        need_download = not torchvision_copy_present(download_root)
-        if need_download and not reachable(torchvision_url()):
-            raise DataNotFoundError(how_to_get_data(download_root))
+    folder, download_root, need_download = where_to_read(root, download_root)
     with rank_zero_first():
         if folder:
             split = read_folder(folder, "train" if train else "test", per_class)
@@ -75,6 +68,29 @@ def load_cifar10(train=True, root=None, per_class=None, download_root=None):
     if per_class is not None and not folder:
         split = first_per_class(split, per_class)
     return split
+
+
+def where_to_read(root=None, download_root=None):
+    """(class-folder copy or None, torchvision's folder, whether to download), or DataNotFoundError."""
+    folder = root or os.environ.get(ENV_VAR) or None
+    need_download = False
+    if folder:
+        check_folder(folder)
+    else:
+        download_root = download_root or os.path.join(cache_dir(), "torchvision")
+        need_download = not torchvision_copy_present(download_root)
+        if need_download and not reachable(torchvision_url()):
+            raise DataNotFoundError(how_to_get_data(download_root))
+    return folder, download_root, need_download
+
+
+def unavailable_reason():
+    """Why CIFAR-10 cannot be had here (no copy, no network), or None when it can."""
+    try:
+        where_to_read()
+    except DataNotFoundError as err:
+        return str(err)
+    return None
 
 
 @contextlib.contextmanager

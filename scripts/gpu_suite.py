@@ -1,0 +1,160 @@
+"""Run the whole test suite (unit tests, then every notebook under strict nbval) on a GPU machine,
+within a time budget, and write a short report.
+
+    python scripts/gpu_suite.py                      # budget 480 s, report in gpu-suite/
+    python scripts/gpu_suite.py --budget-s 600 --out /tmp/report -- -k "not slow"
+
+It is the README's test command (`python -m pytest`) run in this process, with three additions:
+- a budget: once it is spent, no further test starts (the one running finishes, and the report
+  names what was not run);
+- the report, `report.md`: the machine (GPUs, torch, CUDA, NCCL), the counts, the time, the
+  slowest tests, every failure in one line, and the skip reasons;
+- the notebooks as this machine executed them (`notebooks/*.ipynb` in the output folder): on a GPU
+  machine their live GPU cells show this machine's figures beside the stored references.
+It is a script, not a test: it exits 0 when everything that ran passed and the budget held.
+"""
+import argparse
+import collections
+import copy
+import datetime
+import os
+import platform
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def machine_lines():
+    import torch
+    lines = [f"date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+             f"python {platform.python_version()}, torch {torch.__version__}, "
+             f"CUDA {torch.version.cuda or '-'}, {os.cpu_count()} CPU cores"]
+    if torch.cuda.is_available():
+        names = collections.Counter(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
+        lines.append("GPUs: " + ", ".join(f"{n} x {name}" for name, n in names.items()))
+        nccl = torch.cuda.nccl.version() if torch.distributed.is_nccl_available() else None
+        lines.append(f"NCCL {'.'.join(map(str, nccl)) if nccl else 'not available'}")
+    else:
+        lines.append("GPUs: none (the GPU tests skip, and the notebooks show stored references)")
+    for package in ("torchvision", "nbval", "jupyter_client", "ipykernel", "ipywidgets", "matplotlib"):
+        try:
+            from importlib.metadata import version
+            lines.append(f"{package} {version(package)}")
+        except Exception:
+            lines.append(f"{package}: not installed")
+    return lines
+
+
+class Recorder:
+    """A pytest plugin: stops starting tests once the budget is spent; keeps each test's outcome,
+    time and one-line reason, and each notebook cell's outputs."""
+
+    def __init__(self, budget_s):
+        self.deadline = time.monotonic() + budget_s
+        self.reports = {}                      # nodeid -> (outcome, seconds, one line)
+        self.not_run = []
+        self.cells = collections.defaultdict(dict)   # notebook path -> {cell index: outputs}
+
+    def pytest_runtest_protocol(self, item, nextitem):
+        if time.monotonic() > self.deadline:
+            self.not_run.append(item.nodeid)
+            return True                        # handled: not run
+        return None
+
+    def pytest_runtest_logreport(self, report):
+        outcome, seconds, line = self.reports.get(report.nodeid, ("passed", 0.0, ""))
+        seconds += report.duration
+        if report.failed:
+            outcome, line = ("failed" if report.when == "call" else "error"), last_line(report)
+        elif report.skipped and outcome == "passed":
+            outcome = "skipped"
+            line = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        self.reports[report.nodeid] = (outcome, seconds, line)
+
+    def pytest_runtest_teardown(self, item):
+        outputs = getattr(item, "test_outputs", None)
+        if outputs is not None and hasattr(item, "cell_num"):
+            self.cells[str(item.parent.path)][item.cell_num] = copy.deepcopy(outputs)
+
+
+def last_line(report):
+    text = str(report.longrepr).strip().splitlines()
+    interesting = [line for line in text if line.startswith("E ") or "Error" in line]
+    return (interesting or text or [""])[-1].strip()[:300]
+
+
+def write_notebooks(cells, folder):
+    import nbformat
+    os.makedirs(folder, exist_ok=True)
+    for path, outputs in cells.items():
+        nb = nbformat.read(path, as_version=4)
+        code = [c for c in nb.cells if c.cell_type == "code"]   # nbval numbers the code cells
+        for index, cell in enumerate(code):
+            if index in outputs:
+                cell.outputs = outputs[index]
+        with open(os.path.join(folder, os.path.basename(path)), "w") as f:
+            nbformat.write(nb, f)
+
+
+def report_lines(recorder, seconds, budget_s, machine):
+    counts = collections.Counter(outcome for outcome, _, _ in recorder.reports.values())
+    lines = ["# Test suite on this machine", "", *[f"- {line}" for line in machine], "",
+             f"**{counts['passed']} passed, {counts['failed'] + counts['error']} failed, "
+             f"{counts['skipped']} skipped, {len(recorder.not_run)} not run (budget)** "
+             f"in {seconds:.0f} s (budget {budget_s:.0f} s)", ""]
+    failures = [(nodeid, line) for nodeid, (outcome, _, line) in recorder.reports.items()
+                if outcome in ("failed", "error")]
+    if failures:
+        lines += ["## Failures", ""] + [f"- `{nodeid}`: {line}" for nodeid, line in failures] + [""]
+    if recorder.not_run:
+        lines += ["## Not run: the budget was spent", ""] + [f"- `{n}`" for n in recorder.not_run[:50]]
+        lines += [f"- … and {len(recorder.not_run) - 50} more"] if len(recorder.not_run) > 50 else []
+        lines += [""]
+    slowest = sorted(recorder.reports.items(), key=lambda kv: -kv[1][1])[:12]
+    lines += ["## Slowest", ""] + [f"- {s:6.1f} s `{nodeid}`" for nodeid, (_, s, _) in slowest] + [""]
+    per_file = collections.defaultdict(float)
+    for nodeid, (_, s, _) in recorder.reports.items():
+        per_file[nodeid.split("::")[0]] += s
+    lines += ["## Time per file", ""] + [f"- {s:6.1f} s `{f}`" for f, s in
+                                        sorted(per_file.items(), key=lambda kv: -kv[1])] + [""]
+    reasons = collections.Counter(line for outcome, _, line in recorder.reports.values() if outcome == "skipped")
+    if reasons:
+        lines += ["## Skipped, by reason", ""] + [f"- {n} x {reason}" for reason, n in reasons.most_common()]
+    return lines
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--budget-s", type=float, default=480.0,
+                        help="no test starts after this many seconds (default 480: 8 minutes)")
+    parser.add_argument("--out", default=os.path.join(REPO, "gpu-suite"),
+                        help="folder for report.md, junit.xml and the executed notebooks")
+    parser.add_argument("pytest_args", nargs="*", help="more pytest arguments, after --")
+    args = parser.parse_args(argv)
+    if args.budget_s <= 0:
+        parser.error("--budget-s must be positive")
+    os.makedirs(args.out, exist_ok=True)
+    import pytest
+
+    os.chdir(REPO)
+    machine = machine_lines()
+    print("\n".join(machine), flush=True)
+    recorder = Recorder(args.budget_s)
+    start = time.monotonic()
+    code = pytest.main(["-p", "no:cacheprovider", "--junitxml", os.path.join(args.out, "junit.xml"),
+                        *args.pytest_args], plugins=[recorder])
+    seconds = time.monotonic() - start
+    write_notebooks(recorder.cells, os.path.join(args.out, "notebooks"))
+    lines = report_lines(recorder, seconds, args.budget_s, machine)
+    with open(os.path.join(args.out, "report.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(next(line for line in lines if line.startswith("**")))
+    print(f"report: {os.path.join(args.out, 'report.md')}")
+    over = seconds > args.budget_s or recorder.not_run
+    return 1 if (code != 0 or over) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
