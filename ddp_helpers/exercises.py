@@ -6,9 +6,12 @@ and says exactly what is wrong: which case, which rank, which element,
 expected vs got. Where an exercise rebuilds a collective from point-to-point
 calls, that collective is switched off inside the ranks while the learner's
 code runs; where an exercise is about how many collective calls to make, the collective is
-wrapped instead, to count each rank's calls and bytes. The returned Verdict is true when every
-case passes.
-Reference solutions are in `ddp_helpers.solutions`.
+wrapped instead, to count each rank's calls and bytes. The point-to-point exercises are checked
+for their algorithm too: send/recv/isend/irecv are wrapped in each rank to count the messages and
+bytes each rank sends and receives and the rounds the whole takes (class Traffic), so a right
+result reached the wrong way (gathering everything at rank 0, a chain instead of a tree) is named.
+The returned Verdict is true when every case passes.
+Reference solutions are in `ddp_helpers/solutions.py` (peek after trying).
 """
 import torch
 import torch.distributed as dist
@@ -61,6 +64,168 @@ def _run_in_rank(fn, make_input, forbidden):
             setattr(dist, name, original)
 
 
+# ---- Counting the point-to-point traffic inside a rank -------------------------------------
+# The p2p checkers wrap dist.send/recv/isend/irecv (in torch.distributed and in distributed_c10d,
+# where batch_isend_irecv and P2POp look them up) to write down, in program order, every message a
+# rank posts and every receive it completes. The kernel then matches sends with receives (first
+# send from a to b with first receive at b from a, and so on) and counts per rank the messages,
+# the bytes and the rounds.
+
+_P2P = ("send", "recv", "isend", "irecv")
+
+
+class _Completion:
+    """A Work handle that notes when the learner waits for a receive."""
+
+    def __init__(self, work, on_wait):
+        self._work, self._on_wait = work, on_wait
+
+    def wait(self, *args, **kwargs):
+        result = self._work.wait(*args, **kwargs)
+        self._on_wait()
+        return result
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+def _peer(args, kwargs, key):
+    """The global rank a p2p call names (dst/src positionally or by keyword, or group_dst/group_src)."""
+    peer = args[0] if args else kwargs.get(key)
+    if peer is None and kwargs.get(f"group_{key}") is not None:
+        peer = kwargs[f"group_{key}"]
+        group = kwargs.get("group")
+        if group is not None and group != dist.group.WORLD:
+            peer = dist.get_global_rank(group, peer)
+    return peer
+
+
+def _recording_p2p(events):
+    """Replacements for send/recv/isend/irecv that append to `events` and call the real ones."""
+    from torch.distributed import distributed_c10d as c10d
+    real = {name: getattr(c10d, name) for name in _P2P}
+    counts = {}
+
+    def numbered(kind, peer):
+        key = (kind, peer)
+        counts[key] = counts.get(key, -1) + 1
+        return counts[key]
+
+    inside = []   # torch's own send/recv may call isend/irecv: count the outermost call only
+
+    def outermost(record):
+        def call(tensor, *args, **kwargs):
+            if inside:
+                return real[record.__name__](tensor, *args, **kwargs)
+            inside.append(record.__name__)
+            try:
+                return record(tensor, *args, **kwargs)
+            finally:
+                inside.pop()
+        return call
+
+    def send(tensor, *args, **kwargs):
+        peer = _peer(args, kwargs, "dst")
+        events.append(("send", peer, numbered("send", peer), tensor.numel() * tensor.element_size()))
+        return real["send"](tensor, *args, **kwargs)
+
+    def isend(tensor, *args, **kwargs):
+        peer = _peer(args, kwargs, "dst")
+        events.append(("send", peer, numbered("send", peer), tensor.numel() * tensor.element_size()))
+        return real["isend"](tensor, *args, **kwargs)
+
+    def recv(tensor, *args, **kwargs):
+        source = real["recv"](tensor, *args, **kwargs)
+        peer = _peer(args, kwargs, "src")
+        peer = source if peer is None else peer
+        events.append(("recv", peer, numbered("recv", peer), tensor.numel() * tensor.element_size()))
+        return source
+
+    def irecv(tensor, *args, **kwargs):
+        peer = _peer(args, kwargs, "src")
+        index = numbered("recv", peer)   # matched in the order the receives are posted
+        work = real["irecv"](tensor, *args, **kwargs)
+        done = []
+
+        def on_wait():
+            if not done:
+                done.append(True)
+                events.append(("recv", peer, index, tensor.numel() * tensor.element_size()))
+        return _Completion(work, on_wait) if work is not None else work
+
+    return real, {call.__name__: outermost(call) for call in (send, recv, isend, irecv)}
+
+
+def _run_counting_p2p(fn, make_input, forbidden):
+    """Inside a rank: like _run_in_rank, with the p2p calls recorded. Returns (result, events)."""
+    from torch.distributed import distributed_c10d as c10d
+    events = []
+    real, wrapped = _recording_p2p(events)
+    for name, call in wrapped.items():
+        setattr(c10d, name, call)
+        setattr(dist, name, call)
+    try:
+        return _run_in_rank(fn, make_input, forbidden), events
+    finally:
+        for name, call in real.items():
+            setattr(c10d, name, call)
+            setattr(dist, name, call)
+
+
+class Traffic:
+    """Who sent what to whom, from every rank's recorded p2p calls (see _recording_p2p).
+
+    sent[r], received[r]: messages and bytes per rank. rounds: the length of the longest chain of
+    messages each of which had to wait for the one before it, where a rank sends one message at a
+    time (its link is busy) and can only pass on what it has already received. chain: that chain,
+    as (sender, receiver) pairs."""
+
+    def __init__(self, events_per_rank):
+        self.world_size = n = len(events_per_rank)
+        self.sent = [{"messages": 0, "bytes": 0} for _ in range(n)]
+        self.received = [{"messages": 0, "bytes": 0} for _ in range(n)]
+        self.message_bytes = {}
+        for rank, events in enumerate(events_per_rank):
+            for kind, peer, index, nbytes in events:
+                side = self.sent if kind == "send" else self.received
+                side[rank]["messages"] += 1
+                side[rank]["bytes"] += nbytes
+                if kind == "send":
+                    self.message_bytes[(rank, peer, index)] = nbytes
+        self.rounds, self.chain = self._longest_chain(events_per_rank)
+
+    @staticmethod
+    def _longest_chain(events_per_rank):
+        round_of, before = {}, {}   # message (src, dst, index) -> its round, the message it waited for
+        for _ in range(sum(len(e) for e in events_per_rank) + 1):   # acyclic: settles within that many passes
+            changed = False
+            for rank, events in enumerate(events_per_rank):
+                ready, cause = 0, None   # the round by which this rank's link and data are ready
+                for kind, peer, index, _ in events:
+                    if kind == "send":
+                        message = (rank, peer, index)
+                        if round_of.get(message) != ready + 1:
+                            round_of[message], before[message], changed = ready + 1, cause, True
+                        ready, cause = ready + 1, message
+                    else:
+                        message = (peer, rank, index)
+                        if round_of.get(message, 0) > ready:
+                            ready, cause = round_of[message], message
+            if not changed:
+                break
+        if not round_of:
+            return 0, []
+        last = max(round_of, key=round_of.get)
+        chain = []
+        while last is not None:
+            chain.append(last[:2])
+            last = before.get(last)
+        return max(round_of.values()), chain[::-1]
+
+    def describe_chain(self):
+        return ", then ".join(f"{a}→{b}" for a, b in self.chain)
+
+
 def _difference(expected, got):
     """None when equal, else a short description of the first difference."""
     if isinstance(expected, (list, tuple)):
@@ -85,13 +250,16 @@ def _difference(expected, got):
     return None if got == expected else f"expected {expected!r}, got {got!r}"
 
 
-def _check(title, fn, cases, make_input, expected, forbidden=(), hint=""):
-    """Run fn for each (world_size, length) case and compare each rank's result."""
+def _check(title, fn, cases, make_input, expected, forbidden=(), hint="", algorithm=None):
+    """Run fn for each (world_size, length) case and compare each rank's result.
+    With `algorithm`, the ranks' p2p calls are recorded too, and algorithm(Traffic, world_size, length)
+    returns what is wrong with the way the result was computed (a list of problems)."""
     problems = []
     for world_size, length in cases:
         label = f"world_size={world_size}" + (f", length={length}" if length is not None else "")
+        inputs = (fn, lambda r, n, k=length: make_input(r, n, k), forbidden)
         try:
-            got = launch(_run_in_rank, world_size, args=(fn, lambda r, n, k=length: make_input(r, n, k), forbidden),
+            got = launch(_run_counting_p2p if algorithm else _run_in_rank, world_size, args=inputs,
                          timeout=10, quiet=True)
         except WorkerTimeout as err:
             problems.append(f"{label}: rank(s) {err.unfinished_ranks} never finished (a send without "
@@ -103,10 +271,17 @@ def _check(title, fn, cases, make_input, expected, forbidden=(), hint=""):
             first_line = str(err).splitlines()[0][:300]
             problems.append(f"{label}: {first_line} {hint}".rstrip())
             continue
+        if algorithm:
+            traffic = Traffic([events for _, events in got])
+            got = [value for value, _ in got]
+        wrong = False
         for rank, value in enumerate(got):
             problem = _difference(expected(rank, world_size, length), value)
             if problem:
+                wrong = True
                 problems.append(f"{label}, rank {rank}: {problem}")
+        if algorithm and not wrong:
+            problems += [f"{label}: {problem}" for problem in algorithm(traffic, world_size, length)]
     return Verdict(title, problems)
 
 
@@ -135,19 +310,68 @@ def _rank_data(rank, world_size, length):
 _LENGTH_CASES = [(2, 1), (2, 5), (3, 4), (3, 7), (4, 3), (4, 10)]
 
 
+def _all_gather_traffic(traffic, n, length):
+    """An all-gather sends each rank's tensor (S bytes) to every other rank once: every rank sends and
+    receives (n-1)·S bytes, whatever the route (directly, or around a ring)."""
+    size = 4 * length
+    want = (n - 1) * size
+    sent = [traffic.sent[r]["bytes"] for r in range(n)]
+    received = [traffic.received[r]["bytes"] for r in range(n)]
+    busiest = max(range(n), key=lambda r: sent[r])
+    if sent[busiest] > want and sum(1 for b in sent if b <= size) >= n - 1:
+        return [f"rank {busiest} sent {sent[busiest]} bytes in {traffic.sent[busiest]['messages']} messages, "
+                f"every other rank at most {size} (its own tensor): that is gather-to-one-rank-and-send-back. "
+                f"It gives the right result, but rank {busiest}'s link carries {sent[busiest] // size} tensors "
+                f"while the others idle, and everybody waits for it. Let each rank send its own tensor to every "
+                f"other rank: (n-1)·S = {want} bytes per rank, the same on every rank"]
+    for rank in range(n):
+        if sent[rank] != want:
+            return [f"rank {rank} sent {sent[rank]} bytes in {traffic.sent[rank]['messages']} messages; an all-gather "
+                    f"needs each rank to send its own {size}-byte tensor to the {n - 1} others: {want} bytes"]
+        if received[rank] != want:
+            return [f"rank {rank} received {received[rank]} bytes; it needs the {n - 1} other tensors: {want} bytes"]
+    return []
+
+
 def check_all_gather(fn):
-    """Notebook 02: `fn(t)` returns the list of every rank's tensor, built from send/recv."""
+    """Notebook 02: `fn(t)` returns the list of every rank's tensor, built from send/recv.
+    Also checks how: every rank sends and receives (n-1)·S bytes (no gathering at one rank)."""
     return _check("my_all_gather", fn, _LENGTH_CASES, _rank_data,
                   lambda r, n, k: [_rank_data(i, n, k)[0] for i in range(n)],
                   forbidden=("all_gather", "all_gather_object", "all_gather_into_tensor", "all_gather_single",
-                             "broadcast"))
+                             "broadcast"), algorithm=_all_gather_traffic)
+
+
+def _tree_broadcast_traffic(traffic, n, length):
+    """A tree broadcast: every rank but 0 receives the tensor exactly once, and the longest chain of
+    messages that wait for each other (a rank sends one at a time) is ceil(log2 n) long."""
+    size = 4 * length
+    for rank in range(1, n):
+        got = traffic.received[rank]
+        if got["messages"] != 1 or got["bytes"] != size:
+            return [f"rank {rank} received {got['messages']} messages ({got['bytes']} bytes); in a broadcast each "
+                    f"rank but the root receives the {size}-byte tensor exactly once"]
+    if traffic.received[0]["messages"]:
+        return [f"rank 0 received {traffic.received[0]['messages']} message(s): the root already has the data"]
+    best = (n - 1).bit_length()   # ceil(log2 n)
+    if traffic.rounds > best:
+        hint = (f"rank 0 sends all {n - 1} messages itself, one after another"
+                if all(a == 0 for a, _ in traffic.chain) else
+                "each rank that has the data should send it on in every round, so the number of ranks with the "
+                "data doubles")
+        return [f"{traffic.rounds} rounds: the longest chain of messages that wait for each other is "
+                f"{traffic.describe_chain()} (a rank sends one message at a time). A binary tree needs only "
+                f"ceil(log2 {n}) = {best}: {hint}"]
+    return []
 
 
 def check_tree_broadcast(fn):
-    """Notebook 02: `fn(t)` returns rank 0's tensor on every rank, sent along a binary tree."""
-    return _check("tree_broadcast", fn, _LENGTH_CASES + [(4, 1)], _rank_data,
+    """Notebook 02: `fn(t)` returns rank 0's tensor on every rank, sent along a binary tree.
+    Also checks how: one message per receiving rank, and at most ceil(log2 n) rounds."""
+    return _check("tree_broadcast", fn, _LENGTH_CASES + [(4, 1), (5, 2)], _rank_data,
                   lambda r, n, k: _rank_data(0, n, k)[0],
-                  forbidden=("broadcast", "broadcast_object_list", "scatter", "all_gather", "all_reduce"))
+                  forbidden=("broadcast", "broadcast_object_list", "scatter", "all_gather", "all_reduce"),
+                  algorithm=_tree_broadcast_traffic)
 
 
 def check_ring_all_reduce(fn):
@@ -196,6 +420,12 @@ def _bucket_model():
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
 
 
+_NOT_ONE_ALL_REDUCE = ("reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+                       "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather", "scatter",
+                       "send", "recv", "isend", "irecv", "batch_isend_irecv", "all_gather_object",
+                       "broadcast_object_list")
+
+
 def _one_bucket_in_rank(fn):
     """Inside a rank: local gradients from this rank's shard, the true mean (computed with the
     real all_reduce before the learner's code runs), then fn(model) with dist.all_reduce
@@ -218,12 +448,31 @@ def _one_bucket_in_rank(fn):
         calls.append({"bytes": tensor.numel() * tensor.element_size(), "op": name})
         return original(tensor, *args, **kwargs)
 
+    others, inside = [], []   # any other collective or p2p call is noted (the outermost call only)
+    other_names = [name for name in _NOT_ONE_ALL_REDUCE if hasattr(dist, name)]
+    saved = {name: getattr(dist, name) for name in other_names}
+
+    def noting(name):
+        def call(*args, **kwargs):
+            if not inside:
+                others.append(name)
+            inside.append(name)
+            try:
+                return saved[name](*args, **kwargs)
+            finally:
+                inside.pop()
+        return call
+
     dist.all_reduce = counting_all_reduce
+    for name in other_names:
+        setattr(dist, name, noting(name))
     try:
         fn(model)
     finally:
         dist.all_reduce = original
-    return {"calls": calls, "local": local, "summed": summed,
+        for name, call in saved.items():
+            setattr(dist, name, call)
+    return {"calls": calls, "others": others, "local": local, "summed": summed,
             "got": [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()],
             "shapes": [tuple(p.shape) for p in model.parameters()]}
 
@@ -237,6 +486,12 @@ def _one_bucket_problem(result, world_size):
     """What is wrong on one rank, or None."""
     calls, got, summed = result["calls"], result["got"], result["summed"]
     grad_bytes = sum(t.numel() * t.element_size() for t in result["local"])
+    if result["others"]:
+        used = sorted(set(result["others"]), key=result["others"].index)
+        return (f"you called {', '.join(f'dist.{name}' for name in used)} ({len(result['others'])} call(s)) "
+                f"besides {len(calls)} all_reduce(s): even when the numbers come out right, that is more "
+                f"collectives (and more waiting) than needed; one all_reduce of one flat buffer gives every "
+                f"rank the sum at once")
     if not calls:
         return ("you never called dist.all_reduce: each rank still has only its own gradients; "
                 "all_reduce the flat buffer once")
@@ -316,7 +571,8 @@ def check_one_bucket_average(fn):
     return Verdict(title, problems)
 
 
-_STEP_CASES = [(10_000, 128, 1), (10_000, 128, 2), (998, 111, 3), (50_000, 256, 8), (1_000, 64, 7)]
+_STEP_CASES = [(10_000, 128, 1), (10_000, 128, 2), (998, 111, 3), (50_000, 256, 8), (1_000, 64, 7),
+               (1_000, 64, 2), (11, 3, 4)]   # 500/64 = 7.8: rounding is not the rule; 11 on 4 ranks: padding
 
 
 def check_steps_per_epoch(fn):
@@ -332,9 +588,34 @@ def check_steps_per_epoch(fn):
             got = fn(n, batch, world_size)
         except NotImplementedError:
             return Verdict("steps_per_epoch", [f"{fn.__name__} still raises NotImplementedError: fill in the stub"])
-        if got != want:
-            problems.append(f"{n} images, {batch} per rank, {world_size} ranks: expected {want} steps, got {got!r}")
+        label = f"{n} images, {batch} per rank, {world_size} ranks"
+        if not isinstance(got, int) or isinstance(got, bool):
+            problems.append(f"{label}: expected a whole number of steps (an int), got {got!r} "
+                            f"({type(got).__name__}): use // for whole divisions")
+        elif got != want:
+            per_rank = -(-n // world_size)
+            hint = ("; each rank gets ceil(n / world_size) = "
+                    f"{per_rank} images (DistributedSampler pads), and the last incomplete batch is dropped"
+                    if got in (round(n / world_size / batch), n // world_size // batch, -(-per_rank // batch)) else "")
+            problems.append(f"{label}: expected {want} steps, got {got!r}{hint}")
     return Verdict("steps_per_epoch", problems)
+
+
+def _torchrun_config_problems(run, args):
+    """What torchrun itself would refuse when it turns the parsed flags into its agent's settings
+    (run.config_from_args), without touching this process's environment or log."""
+    import os
+    saved, was_disabled = dict(os.environ), run.logger.disabled
+    run.logger.disabled = True   # its warnings (OMP_NUM_THREADS, ...) are not the learner's problem
+    try:
+        run.config_from_args(args)
+    except (ValueError, AssertionError, RuntimeError) as err:
+        return [f"torchrun would stop before starting anything: {err}"]
+    finally:
+        run.logger.disabled = was_disabled
+        os.environ.clear()
+        os.environ.update(saved)   # config_from_args sets OMP_NUM_THREADS
+    return []
 
 
 def check_torchrun_command(command):
@@ -375,7 +656,7 @@ def check_torchrun_command(command):
         hint = (" (options before the program are torchrun's; the program's own go after it)"
                 if "unrecognized arguments" in refusal else "")
         return Verdict(title, [f"torchrun would refuse it: {refusal}{hint}"])
-    problems = []
+    problems = _torchrun_config_problems(run, args)
     if args.standalone:
         problems.append("--standalone is for one node only: it starts its own rendezvous on this machine")
     if args.nnodes not in ("2", "2:2"):

@@ -218,3 +218,112 @@ def test_one_bucket_average_names_each_wrong_answer():
     assert "divided by" not in repr(exercises.check_one_bucket_average(one_bucket_not_divided))
     stub = exercises.check_one_bucket_average(still_a_stub)
     assert not stub and stub.problems == ["still_a_stub still raises NotImplementedError: fill in the stub"]
+
+
+# ---- the checkers check the algorithm, not only the result (issue 17): each wrong answer below gives
+# the right tensors, and each was accepted by the checkers that compared results only.
+def gather_at_rank_0_and_send_back(t):
+    rank, n = dist.get_rank(), dist.get_world_size()
+    gathered = [t.clone() if r == rank else torch.empty_like(t) for r in range(n)]
+    if rank == 0:
+        for peer in range(1, n):
+            dist.recv(gathered[peer], src=peer)
+        for peer in range(1, n):
+            for r in range(n):
+                if r != peer:
+                    dist.send(gathered[r], dst=peer)
+    else:
+        dist.send(t, dst=0)
+        for r in range(n):
+            if r != rank:
+                dist.recv(gathered[r], src=0)
+    return gathered
+
+
+def ring_all_gather(t):  # another right algorithm: n-1 steps around the ring, batch_isend_irecv
+    rank, n = dist.get_rank(), dist.get_world_size()
+    gathered = [t.clone() if r == rank else torch.empty_like(t) for r in range(n)]
+    for step in range(n - 1):
+        out, into = (rank - step) % n, (rank - step - 1) % n
+        ops = [dist.P2POp(dist.isend, gathered[out], (rank + 1) % n),
+               dist.P2POp(dist.irecv, gathered[into], (rank - 1) % n)]
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+    return gathered
+
+
+def test_all_gather_checker_rejects_gathering_at_rank_0_and_sending_back():
+    assert exercises.check_all_gather(ring_all_gather)
+    verdict = exercises.check_all_gather(gather_at_rank_0_and_send_back)
+    assert not verdict
+    assert ("world_size=4, length=3: rank 0 sent 108 bytes in 9 messages, every other rank at most 12 (its own "
+            "tensor): that is gather-to-one-rank-and-send-back") in repr(verdict), repr(verdict)
+    assert "(n-1)·S = 36 bytes per rank" in repr(verdict)
+
+
+def flat_broadcast(t):  # rank 0 sends to every rank itself: n-1 rounds
+    t = t.clone()
+    if dist.get_rank() == 0:
+        for peer in range(1, dist.get_world_size()):
+            dist.send(t, dst=peer)
+    else:
+        dist.recv(t, src=0)
+    return t
+
+
+def chain_broadcast(t):  # 0 -> 1 -> 2 -> ...: n-1 rounds
+    rank, n = dist.get_rank(), dist.get_world_size()
+    t = t.clone()
+    if rank > 0:
+        dist.recv(t, src=rank - 1)
+    if rank < n - 1:
+        dist.send(t, dst=rank + 1)
+    return t
+
+
+def broadcast_twice(t):  # the tree, then rank 0 sends to everybody again: right result, redundant messages
+    t = solutions.tree_broadcast(t)
+    return flat_broadcast(t)
+
+
+def test_tree_broadcast_checker_counts_rounds_and_messages():
+    flat = exercises.check_tree_broadcast(flat_broadcast)
+    assert not flat and ("world_size=4, length=3: 3 rounds: the longest chain of messages that wait for each other "
+                         "is 0→1, then 0→2, then 0→3") in repr(flat), repr(flat)
+    assert "ceil(log2 4) = 2: rank 0 sends all 3 messages itself" in repr(flat)
+    assert "world_size=5, length=2: 4 rounds" in " ".join(flat.problems)
+    chain = exercises.check_tree_broadcast(chain_broadcast)
+    assert not chain and "is 0→1, then 1→2, then 2→3" in repr(chain), repr(chain)
+    twice = exercises.check_tree_broadcast(broadcast_twice)
+    assert not twice and ("world_size=2, length=1: rank 1 received 2 messages (8 bytes); in a broadcast each rank "
+                          "but the root receives the 4-byte tensor exactly once") in repr(twice), repr(twice)
+
+
+def reduce_then_broadcast(model):  # right mean, but two collectives per gradient
+    for p in model.parameters():
+        dist.reduce(p.grad, dst=0)
+        dist.broadcast(p.grad, src=0)
+        p.grad /= dist.get_world_size()
+
+
+def test_one_bucket_average_rejects_other_collectives_although_the_result_is_right():
+    verdict = exercises.check_one_bucket_average(reduce_then_broadcast)
+    assert not verdict and verdict.problems[0].startswith(
+        "world_size=2, rank 0: you called dist.reduce, dist.broadcast (8 call(s)) besides 0 all_reduce(s)"), repr(verdict)
+
+
+def test_steps_per_epoch_checker_rejects_rounding_and_floats():
+    rounded = exercises.check_steps_per_epoch(lambda n, b, w: round(n / w / b))
+    assert not rounded and ("1000 images, 64 per rank, 2 ranks: expected 7 steps, got 8; each rank gets "
+                            "ceil(n / world_size) = 500 images") in repr(rounded), repr(rounded)
+    floats = exercises.check_steps_per_epoch(lambda n, b, w: -(-n // w) / b // 1)
+    assert not floats and "expected a whole number of steps (an int), got 78.0 (float)" in repr(floats)
+
+
+def test_torchrun_command_checker_asks_torchrun_for_its_settings():
+    import os
+    before = os.environ.get("OMP_NUM_THREADS")
+    both = exercises.check_torchrun_command(solutions.torchrun_command.replace(" -m ", " --no-python -m "))
+    assert not both and ("torchrun would stop before starting anything: Don't use both the '--no-python' flag "
+                         "and the '--module' flag") in repr(both), repr(both)
+    assert os.environ.get("OMP_NUM_THREADS") == before   # torchrun's parser sets it; the checker puts it back
