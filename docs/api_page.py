@@ -1,0 +1,139 @@
+"""Write the API page (docs/api.md) from ddp_helpers' own docstrings and signatures.
+
+The docstrings are plain text written for `help()` in a notebook, not reStructuredText, so they are
+turned into Markdown here: indented blocks become code, `name: text` lines become a list of
+parameters; everything else is Markdown already (backticks, "- " lists).
+A name listed below that the package no longer has fails the build (the page promises it).
+"""
+import dataclasses
+import importlib
+import inspect
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+# (title, module, intro from the module docstring?, members; "Class.method" documents a method)
+SECTIONS = [
+    ("Starting workers: `launch`", "ddp_helpers.launcher", True,
+     ["launch", "WorkerError", "WorkerTimeout"]),
+    ("The `%%ddp` cell magic", "ddp_helpers.magic", True, ["DDPMagics.ddp"]),
+    ("The warm pool", "ddp_helpers.pool", True,
+     ["Pool", "Pool.run_cell", "Pool.run", "Pool.push", "Pool.pull", "Pool.status", "Pool.stop"]),
+    ("Measuring collectives: `bench`", "ddp_helpers.bench", True,
+     ["measure", "sweep", "size_range", "parse_size", "bus_factor", "algbw_GBps", "busbw_GBps", "plan",
+      "available_setups", "compare"]),
+    ("The reference trainer", "ddp_helpers.train", True,
+     ["run", "Config", "make_config", "setup", "Plain", "Trainer"]),
+    ("The live training view", "ddp_helpers.live", True, ["train"]),
+]
+PARAM = re.compile(r"^([A-Za-z_][\w.]*|\*\*?\w+):\s+(.*)$")
+
+
+def docstring_to_markdown(doc):
+    """Plain-text docstring -> Markdown (see the module docstring)."""
+    blocks, current = [], []
+    for line in (doc or "").splitlines():
+        if line.strip():
+            current.append(line.rstrip())
+        elif current:
+            blocks.append(current)
+            current = []
+    if current:
+        blocks.append(current)
+    out = []
+    for block in blocks:
+        indents = [len(line) - len(line.lstrip()) for line in block]
+        if min(indents) >= 4:
+            width = min(indents)
+            out.append("```python\n" + "\n".join(line[width:] for line in block) + "\n```")
+        elif PARAM.match(block[0]) and sum(bool(PARAM.match(line)) for line in block) >= 1 and \
+                all(PARAM.match(line) or line.startswith(" ") for line in block):
+            items = []
+            for line in block:
+                m = PARAM.match(line)
+                if m:
+                    items.append(f"- **`{m.group(1)}`**: {m.group(2)}")
+                else:
+                    items[-1] += " " + line.strip()
+            out.append("\n".join(items))
+        else:
+            # the text before a list or a code block ends with ':'; Markdown needs nothing more
+            out.append("\n".join(block))
+    return "\n\n".join(out)
+
+
+def _signature(obj, name):
+    try:
+        sig = str(inspect.signature(obj))
+    except (TypeError, ValueError):
+        sig = "(...)"
+    if sig.startswith("(self, "):
+        sig = "(" + sig[len("(self, "):]
+    elif sig == "(self)":
+        sig = "()"
+    return name + sig
+
+
+def _config_table(cls):
+    rows = ["| setting | default | what it does |", "| --- | --- | --- |"]
+    for f in dataclasses.fields(cls):
+        default = f.default if f.default is not dataclasses.MISSING else "(required)"
+        text = str(f.metadata.get("help", "")).replace("|", "\\|")
+        rows.append(f"| `{f.name}` | `{default!r}` | {text} |")
+    return "\n".join(rows)
+
+
+def member(module, name):
+    obj = module
+    for part in name.split("."):
+        if not hasattr(obj, part):
+            raise AttributeError(f"docs/api_page.py lists {module.__name__}.{name}, which does not exist: "
+                                 f"update SECTIONS")
+        obj = getattr(obj, part)
+    return obj
+
+
+def document(module, name):
+    obj = member(module, name)
+    doc = inspect.getdoc(obj) if (obj.__doc__ or "").strip() else ""
+    body = docstring_to_markdown(doc) if doc else "*(no docstring)*"
+    if inspect.isclass(obj):
+        if dataclasses.is_dataclass(obj):
+            head = f"{{py:class}} {name}(**settings)"
+            body += "\n\n" + _config_table(obj)
+        else:
+            head = f"{{py:class}} {_signature(obj, name)}"
+    elif "." in name:
+        kind = "py:method"
+        head = f"{{{kind}}} {_signature(obj, name)}"
+    else:
+        head = f"{{py:function}} {_signature(obj, name)}"
+    return f"````{head}\n:module: {module.__name__}\n\n{body}\n````"
+
+
+def api_markdown():
+    parts = ["# API: `ddp_helpers`",
+             "What the notebooks import, generated from the package's docstrings and signatures "
+             "(`help(...)` in a notebook shows the same text)."]
+    for title, modname, intro, names in SECTIONS:
+        module = importlib.import_module(modname)
+        parts.append(f"## {title}")
+        parts.append(f"Module `{modname}`.")
+        if intro and module.__doc__:
+            parts.append(docstring_to_markdown(inspect.cleandoc(module.__doc__)))
+        for name in names:
+            parts.append(document(module, name))
+    return "\n\n".join(parts) + "\n"
+
+
+def write_api_page(path):
+    text = api_markdown()
+    path = Path(path)
+    if not path.exists() or path.read_text(encoding="utf-8") != text:
+        path.write_text(text, encoding="utf-8")
+
+
+if __name__ == "__main__":
+    print(api_markdown())

@@ -1,0 +1,125 @@
+"""Build the course's site into docs/_build/html, then check its internal links.
+
+    .venv/bin/pip install -r requirements-docs.txt
+    .venv/bin/python docs/build.py            # then open docs/_build/html/index.html
+
+Sphinx runs with warnings as errors (-W). The notebooks are not executed: their committed outputs
+are shown. The diagrams (Mermaid, as JupyterLab draws them) need mermaid.min.js, which the site
+serves itself, so no page fetches anything from the internet; it comes from the npm registry once
+(`npm pack`, checked against a pinned SHA-256) into the git-ignored docs/_vendor/. Without npm the
+diagrams are shown as their source text, with a notice; CI (CI=true) requires them.
+"""
+import hashlib
+import html.parser
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+DOCS = Path(__file__).resolve().parent
+OUT = DOCS / "_build" / "html"
+VENDOR = DOCS / "_vendor"
+MERMAID_VERSION = "11.17.2"
+MERMAID_SHA256 = "581ed7d74bd9048d0e3a91363927d72ef22942d7722546b27f7cc29e35390eb8"
+MERMAID_JS = VENDOR / f"mermaid-{MERMAID_VERSION}.min.js"
+
+
+def fetch_mermaid():
+    """docs/_vendor/mermaid-VERSION.min.js, from the npm registry once. Returns the path or None."""
+    if MERMAID_JS.is_file() and _sha256(MERMAID_JS) == MERMAID_SHA256:
+        return MERMAID_JS
+    npm = shutil.which("npm")
+    if npm is None:
+        return None
+    VENDOR.mkdir(exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        done = subprocess.run([npm, "pack", f"mermaid@{MERMAID_VERSION}", "--silent", "--pack-destination", tmp],
+                              capture_output=True, text=True, timeout=300)
+        tarballs = list(Path(tmp).glob("mermaid-*.tgz"))
+        if done.returncode != 0 or not tarballs:
+            print(f"docs: npm pack mermaid@{MERMAID_VERSION} failed: {done.stderr.strip()[-500:]}", file=sys.stderr)
+            return None
+        with tarfile.open(tarballs[0]) as tar:
+            member = tar.extractfile("package/dist/mermaid.min.js")
+            data = member.read()
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != MERMAID_SHA256:
+        raise SystemExit(f"docs: mermaid.min.js {MERMAID_VERSION} from npm has SHA-256 {digest}, "
+                         f"expected {MERMAID_SHA256}")
+    MERMAID_JS.write_bytes(data)
+    return MERMAID_JS
+
+
+def _sha256(path):
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+class _Links(html.parser.HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.refs, self.ids = [], set()
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if attrs.get("id"):
+            self.ids.add(attrs["id"])
+        if tag == "a" and attrs.get("name"):
+            self.ids.add(attrs["name"])
+        for key in ("href", "src"):
+            if attrs.get(key) and not (tag == "link" and attrs.get("rel") in ("canonical",)):
+                self.refs.append((tag, attrs[key]))
+
+
+def check_links(root=OUT):
+    """Every relative href/src in the site resolves to a file, and every #anchor to an id there."""
+    pages, problems = {}, []
+    for page in sorted(root.rglob("*.html")):
+        parser = _Links()
+        parser.feed(page.read_text(encoding="utf-8"))
+        pages[page.resolve()] = parser
+    for page, parser in pages.items():
+        for tag, ref in parser.refs:
+            parts = urlsplit(ref)
+            if parts.scheme or ref.startswith("//"):
+                if parts.scheme in ("http", "https") and tag in ("script", "img", "link"):
+                    problems.append(f"{page.relative_to(root)}: loads {ref} from the internet")
+                continue
+            target = page if not parts.path else (page.parent / unquote(parts.path)).resolve()
+            if target.is_dir():
+                target = target / "index.html"
+            if not target.exists():
+                problems.append(f"{page.relative_to(root)}: broken link {ref}")
+            elif parts.fragment and target.suffix == ".html":
+                ids = pages[target].ids if target in pages else set()
+                if unquote(parts.fragment) not in ids:
+                    problems.append(f"{page.relative_to(root)}: no anchor #{parts.fragment} in {target.relative_to(root)}")
+    return len(pages), problems
+
+
+def main():
+    start = time.monotonic()
+    mermaid = fetch_mermaid()
+    if mermaid is None:
+        if os.environ.get("CI") == "true":
+            raise SystemExit("docs: CI needs the diagrams, and mermaid.min.js could not be had (npm?)")
+        print("docs: notice: no npm, so the diagrams are shown as their Mermaid source text", file=sys.stderr)
+    env = dict(os.environ, DOCS_MERMAID_JS=str(mermaid or ""))
+    shutil.rmtree(OUT, ignore_errors=True)
+    done = subprocess.run([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html",
+                           "-d", str(DOCS / "_build" / "doctrees"), str(DOCS), str(OUT)], env=env)
+    if done.returncode != 0:
+        raise SystemExit(f"docs: Sphinx failed (exit {done.returncode}; warnings count as errors)")
+    count, problems = check_links()
+    if problems:
+        raise SystemExit("docs: internal link check failed:\n  " + "\n  ".join(problems))
+    print(f"docs: built {count} pages into {OUT.relative_to(DOCS.parent)}/ in {time.monotonic() - start:.0f} s; "
+          f"internal links and anchors checked")
+
+
+if __name__ == "__main__":
+    main()
