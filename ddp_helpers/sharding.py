@@ -1,0 +1,309 @@
+"""Plumbing for notebook 08 (sharding): count the bytes a rank holds, draw the
+ZeRO stages and the memory table, and check the "Try it" exercise.
+
+The lesson's code (the ZeRO-1 step, `fully_shard`, the distributed checkpoint,
+the 2-D mesh) is in the notebook's cells, not here.
+
+Bytes are counted as PyTorch holds them: the whole storage behind each tensor
+(so padding that a shard is a view into counts), each storage once, and for a
+DTensor the local shard's storage.
+"""
+import matplotlib.pyplot as plt
+import torch
+import torch.distributed as dist
+
+from .exercises import Verdict
+from .launcher import WorkerError, WorkerTimeout, launch
+
+# ---------------------------------------------------------------- memory accounting
+
+
+def _local(t):
+    """The plain tensor behind `t`: a DTensor's local shard, else t itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def storage_bytes(tensors, seen=None):
+    """Bytes of the distinct storages behind `tensors` (DTensors: their local shard).
+
+    A view counts its whole storage (padding included), and two views of one
+    storage count it once. `seen` (a set of storage addresses) carries that
+    across calls, so a storage already counted in one category is not counted
+    again in the next.
+    """
+    seen = set() if seen is None else seen
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        storage = _local(t).untyped_storage()
+        key = storage.data_ptr() if storage.nbytes() else ("empty", id(t))
+        if key in seen:
+            continue
+        seen.add(key)
+        total += storage.nbytes()
+    return total
+
+
+def rank_memory(model, optimizer, extra_grads=()):
+    """What this rank holds, in bytes: {"parameters", "gradients", "optimizer state", "buffers"}.
+
+    Parameters are the model's and the optimizer's (a view into a storage already
+    counted adds nothing); gradients are their `.grad` plus `extra_grads`; the
+    optimizer state is every tensor in `optimizer.state` (Adam: exp_avg,
+    exp_avg_sq and a one-element `step` per parameter tensor).
+    """
+    seen = set()
+    params = list(model.parameters()) + [p for g in optimizer.param_groups for p in g["params"]]
+    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    return {
+        "parameters": storage_bytes(params, seen),
+        "gradients": storage_bytes([p.grad for p in params] + list(extra_grads), seen),
+        "optimizer state": storage_bytes(state, seen),
+        "buffers": storage_bytes(model.buffers(), seen),
+    }
+
+
+CATEGORIES = ("parameters", "gradients", "optimizer state", "buffers")
+
+
+def format_table(rows):
+    """rows: [{"scheme", "N", "theory": {category: bytes}, "held": [per rank {category: bytes}]}]
+    -> a text table, theory then every rank's measured bytes, per category."""
+    lines = [f"{'scheme':<8}{'N':>2}  {'':<7}" + "".join(f"{c:>17}" for c in CATEGORIES) + f"{'total':>9}"]
+    for row in rows:
+        theory = row["theory"]
+        lines.append(f"{row['scheme']:<8}{row['N']:>2}  {'theory':<7}"
+                     + "".join(f"{theory.get(c, 0):>17,}" for c in CATEGORIES)
+                     + f"{sum(theory.values()):>9,}")
+        for rank, held in enumerate(row["held"]):
+            lines.append(f"{'':<10}  {f'rank {rank}':<7}" + "".join(f"{held[c]:>17,}" for c in CATEGORIES)
+                         + f"{sum(held.values()):>9,}")
+    return "\n".join(lines)
+
+
+_COLOURS = {"parameters": "#4C72B0", "gradients": "#DD8452", "optimizer state": "#55A868", "buffers": "#8172B3"}
+
+
+def plot_memory_table(rows, title="Bytes per rank: theory (hatched) vs what rank 0 holds"):
+    """Stacked bars per scheme and N: the computed bytes beside what rank 0 measured."""
+    fig, ax = plt.subplots(figsize=(9, 3.4))
+    labels, x = [], 0
+    for row in rows:
+        for kind, values, hatch in (("theory", row["theory"], "//"), ("rank 0", row["held"][0], "")):
+            bottom = 0
+            for c in CATEGORIES:
+                v = values.get(c, 0)
+                ax.bar(x, v, bottom=bottom, color=_COLOURS[c], hatch=hatch, edgecolor="white",
+                       label=c if x == 0 else None)
+                bottom += v
+            labels.append(f"{row['scheme']}\nN={row['N']}\n{kind}")
+            x += 1
+        x += 0.5
+    positions = [i + 0.5 * (i // 2) for i in range(len(labels))]
+    ax.set_xticks(positions)
+    ax.set_xticklabels(labels, fontsize=7)
+    ax.set_ylabel("bytes")
+    ax.set_title(title)
+    ax.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    plt.show()
+
+
+def plot_zero_stages(world_size=4):
+    """The ZeRO paper's picture: what each of `world_size` ranks keeps of the parameters,
+    gradients and optimizer state under DDP, ZeRO-1, ZeRO-2 and ZeRO-3 (FSDP)."""
+    stages = [("DDP", ()), ("ZeRO-1", ("optimizer state",)), ("ZeRO-2", ("optimizer state", "gradients")),
+              ("ZeRO-3 = FSDP", ("optimizer state", "gradients", "parameters"))]
+    sizes = {"parameters": 1, "gradients": 1, "optimizer state": 2}   # Adam: 2 floats per parameter
+    fig, axes = plt.subplots(1, len(stages), figsize=(11, 2.4), sharey=True)
+    for ax, (name, sharded) in zip(axes, stages):
+        total = 0.0
+        for rank in range(world_size):
+            left = 0
+            for c, size in sizes.items():
+                ax.add_patch(plt.Rectangle((left, rank), size, 0.8, facecolor="white", edgecolor=_COLOURS[c]))
+                if c in sharded:
+                    part = size / world_size
+                    ax.add_patch(plt.Rectangle((left + rank * part, rank), part, 0.8, color=_COLOURS[c]))
+                    total += part
+                else:
+                    ax.add_patch(plt.Rectangle((left, rank), size, 0.8, color=_COLOURS[c]))
+                    total += size
+                left += size
+        ax.set_xlim(0, 4)
+        ax.set_ylim(world_size, -0.2)
+        ax.set_xticks([0.5, 1.5, 3])
+        ax.set_xticklabels(["params", "grads", "Adam"], fontsize=8)
+        ax.set_title(f"{name}\n{4 * total / world_size:.1f} bytes/param per rank", fontsize=9)
+    axes[0].set_yticks([r + 0.4 for r in range(world_size)])
+    axes[0].set_yticklabels([f"rank {r}" for r in range(world_size)])
+    fig.suptitle(f"Filled: what each of {world_size} ranks keeps (float32 + Adam: 4 + 4 + 8 bytes per parameter)",
+                 fontsize=10)
+    fig.tight_layout()
+    plt.show()
+
+
+# ---------------------------------------------------------------- the "Try it" checker
+
+# (world size, shape of the full tensor): dims the world size divides and dims it does not,
+# including fewer rows than ranks (some ranks then hold nothing but padding)
+_SHARD_CASES = [(2, (6, 3)), (2, (5, 2)), (3, (7,)), (4, (10, 3)), (4, (3, 5)), (4, (1, 2))]
+
+_GATHERS = ("all_gather_into_tensor", "all_gather_single", "all_gather")
+_OTHERS = ("all_reduce", "broadcast", "all_gather_object", "scatter", "gather", "send", "recv", "isend", "irecv",
+           "reduce_scatter_tensor", "reduce_scatter", "reduce_scatter_single", "all_to_all", "all_to_all_single")
+
+
+def _full_tensor(shape):
+    """The tensor the checker shards: 1, 2, 3, ... (never 0, so padding is easy to tell apart)."""
+    return torch.arange(1, 1 + torch.Size(shape).numel(), dtype=torch.float32).reshape(shape)
+
+
+def expected_shard(full, rank, world_size):
+    """What FSDP2 keeps on `rank`: the rows torch.chunk(dim=0) gives it, zero-padded to
+    ceil(rows / world_size) rows, the size every rank's shard has."""
+    rows = -(-full.shape[0] // world_size)
+    shard = full.new_zeros((rows,) + tuple(full.shape[1:]))
+    mine = full[rank * rows:(rank + 1) * rows]
+    shard[:len(mine)] = mine
+    return shard
+
+
+def _tensor_problem(what, want, got):
+    """None when equal, else what differs first (shape, or element with its index)."""
+    if not isinstance(got, torch.Tensor):
+        return f"{what} returned {type(got).__name__}, expected a tensor"
+    if tuple(got.shape) != tuple(want.shape):
+        return f"{what}: expected shape {tuple(want.shape)}, got {tuple(got.shape)}"
+    if got.dtype != want.dtype:
+        return f"{what}: expected dtype {want.dtype}, got {got.dtype}"
+    wrong = (got != want).flatten().nonzero()
+    if len(wrong):
+        i = int(wrong[0])
+        index = tuple(int(k) for k in torch.unravel_index(torch.tensor(i), want.shape)) if want.dim() else ()
+        w, g = want.flatten()[i].item(), got.flatten()[i].item()
+        return f"{what}: element {index}: expected {w:g}{' (padding)' if w == 0 else ''}, got {g:g}"
+    return None
+
+
+def _shard_case_in_rank(shard_fn, reassemble_fn, shape):
+    """Inside a rank: the learner's shard, then the learner's reassembly of the true shard,
+    with every collective wrapped to record (name, bytes sent by this rank)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    full = _full_tensor(shape)
+    try:
+        shard = shard_fn(full.clone(), rank, world_size)
+    except NotImplementedError:
+        raise
+    except Exception as err:
+        return {"shard_error": f"{type(err).__name__}: {err}"}
+    calls, saved = [], {}
+
+    def wrap(name, original):
+        def call(*args, **kwargs):
+            sent = [a for a in args if isinstance(a, torch.Tensor)]
+            # the input is the last tensor argument for the *_into_tensor / _single forms
+            nbytes = sent[-1].numel() * sent[-1].element_size() if sent else 0
+            calls.append((name, nbytes))
+            return original(*args, **kwargs)
+        return call
+
+    for name in _GATHERS + _OTHERS:
+        if getattr(dist, name, None) is not None:
+            saved[name] = getattr(dist, name)
+            setattr(dist, name, wrap(name, saved[name]))
+    try:
+        got = reassemble_fn(expected_shard(full, rank, world_size), full.shape[0])
+        error = None
+    except NotImplementedError:
+        raise
+    except Exception as err:
+        got, error = None, f"{type(err).__name__}: {err}"
+    finally:
+        for name, original in saved.items():
+            setattr(dist, name, original)
+    return {"shard": shard, "calls": calls, "full": got, "error": error}
+
+
+def _shard_problems(result, rank, world_size, shape):
+    full = _full_tensor(shape)
+    want = expected_shard(full, rank, world_size)
+    if "shard_error" in result:
+        return f"my_shard raised {result['shard_error']}"
+    real_rows = max(0, min(want.shape[0], shape[0] - rank * want.shape[0]))
+    problem = _tensor_problem("my_shard", want, result["shard"])
+    if problem:
+        if isinstance(result["shard"], torch.Tensor) and result["shard"].shape[:1] == (real_rows,) != want.shape[:1]:
+            problem += (f" (torch.chunk gives rank {rank} {real_rows} row(s); pad with zeros to {want.shape[0]}, "
+                        f"so that every rank's shard has the same size for the all-gather)")
+        return problem
+    if result["error"]:
+        return f"my_reassemble raised {result['error']}"
+    problem = _tensor_problem("my_reassemble", full, result["full"])
+    calls = result["calls"]
+    shard_bytes = want.numel() * want.element_size()
+    others = [name for name, _ in calls if name not in _GATHERS]
+    gathers = [(name, n) for name, n in calls if name in _GATHERS]
+    if others:
+        return (f"my_reassemble called dist.{others[0]}: FSDP rebuilds a parameter with one all-gather, "
+                f"nothing else")
+    if not gathers:
+        return "my_reassemble made no collective call: the other ranks' rows can only come from an all-gather"
+    if len(gathers) > 1:
+        return f"my_reassemble called an all-gather {len(gathers)} times: one call for the whole tensor is enough"
+    name, sent = gathers[0]
+    if sent != shard_bytes:
+        return (f"my_reassemble's dist.{name} sent {sent} bytes from this rank; the padded shard is "
+                f"{shard_bytes} bytes: gather the padded shards, then drop the padding")
+    return problem
+
+
+def check_shard_and_reassemble(shard_fn, reassemble_fn):
+    """Notebook 08: `shard_fn(full, rank, world_size)` returns this rank's padded dim-0 shard, as
+    FSDP2 stores it; `reassemble_fn(shard, rows)` (inside a rank) returns the full tensor from one
+    all-gather of the padded shards, padding dropped. Checked on real ranks, for world sizes and
+    row counts that divide and that do not, with the collectives wrapped to count calls and bytes."""
+    title = "my_shard + my_reassemble"
+    problems = []
+    for world_size, shape in _SHARD_CASES:
+        label = f"world_size={world_size}, shape {shape}"
+        try:
+            results = launch(_shard_case_in_rank, world_size, args=(shard_fn, reassemble_fn, shape),
+                             timeout=20, quiet=True)
+        except WorkerTimeout as err:
+            problems.append(f"{label}: rank(s) {err.unfinished_ranks} never finished: every rank must make the "
+                            f"same collective calls, with shards of the same size")
+            break
+        except WorkerError as err:
+            if err.exc_type == "NotImplementedError":
+                return Verdict(title, ["still raises NotImplementedError: fill in the stubs"])
+            problems.append(f"{label}: rank {err.rank}: {str(err).splitlines()[0][:300]}")
+            continue
+        for rank, result in enumerate(results):
+            problem = _shard_problems(result, rank, world_size, shape)
+            if problem:
+                problems.append(f"{label}, rank {rank}: {problem}")
+                break
+    return Verdict(title, problems)
+
+
+# ---------------------------------------------------------------- reference solutions (try first!)
+
+def solution_shard(full, rank, world_size):
+    rows = -(-full.shape[0] // world_size)                       # ceil: the size of every rank's shard
+    shard = torch.zeros((rows,) + tuple(full.shape[1:]), dtype=full.dtype)
+    mine = full[rank * rows:(rank + 1) * rows]                   # what torch.chunk gives this rank (maybe 0 rows)
+    shard[:len(mine)] = mine
+    return shard
+
+
+def all_gather_single(output, input):
+    """dist.all_gather_single (torch 2.14's name) or dist.all_gather_into_tensor (older torch)."""
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(output, input)
+
+
+def solution_reassemble(shard, rows):
+    out = torch.empty((shard.shape[0] * dist.get_world_size(),) + tuple(shard.shape[1:]), dtype=shard.dtype)
+    all_gather_single(out, shard)                                # every rank's padded shard, in rank order
+    return out[:rows]                                            # drop the padding at the end

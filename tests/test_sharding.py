@@ -1,0 +1,150 @@
+"""Notebook 08's plumbing: the shard-and-reassemble checker (it accepts the solution and
+names what is wrong in wrong answers) and the memory accounting (storages counted once,
+padding included, DTensors by their local shard)."""
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ddp_helpers import launch, sharding
+from ddp_helpers.sharding import all_gather_single
+
+
+# ---------------------------------------------------------------- the checker
+
+def test_solution_passes():
+    verdict = sharding.check_shard_and_reassemble(sharding.solution_shard, sharding.solution_reassemble)
+    assert verdict, repr(verdict)
+    assert "correct" in repr(verdict)
+
+
+def test_stubs_say_fill_in():
+    def stub_shard(full, rank, world_size):
+        raise NotImplementedError
+
+    verdict = sharding.check_shard_and_reassemble(stub_shard, sharding.solution_reassemble)
+    assert not verdict and "NotImplementedError" in repr(verdict)
+
+
+def unpadded_shard(full, rank, world_size):          # torch.chunk alone: no padding
+    chunks = full.chunk(world_size)
+    return chunks[rank] if rank < len(chunks) else full[:0]
+
+
+def wrong_rows_shard(full, rank, world_size):         # floor instead of ceil: the last rows go missing
+    rows = full.shape[0] // world_size or 1
+    shard = torch.zeros((-(-full.shape[0] // world_size),) + tuple(full.shape[1:]))
+    mine = full[rank * rows:(rank + 1) * rows]
+    shard[:len(mine)] = mine
+    return shard
+
+
+def reassemble_with_all_reduce(shard, rows):           # right result, wrong algorithm (N times the bytes)
+    n, r = dist.get_world_size(), dist.get_rank()
+    out = torch.zeros((shard.shape[0] * n,) + tuple(shard.shape[1:]))
+    out[r * shard.shape[0]:(r + 1) * shard.shape[0]] = shard
+    dist.all_reduce(out)
+    return out[:rows]
+
+
+def reassemble_keeping_padding(shard, rows):
+    out = torch.empty((shard.shape[0] * dist.get_world_size(),) + tuple(shard.shape[1:]))
+    all_gather_single(out, shard)
+    return out
+
+
+def reassemble_per_row(shard, rows):                   # one all-gather per row: right values, many calls
+    n = dist.get_world_size()
+    parts = []
+    for i in range(shard.shape[0]):
+        out = torch.empty((n,) + tuple(shard.shape[1:]))
+        all_gather_single(out, shard[i:i + 1].contiguous())
+        parts.append(out)
+    if not parts:
+        return shard
+    stacked = torch.stack(parts, dim=1).reshape((n * shard.shape[0],) + tuple(shard.shape[1:]))
+    return stacked[:rows]
+
+
+def test_unpadded_shard_is_named():
+    problems = repr(sharding.check_shard_and_reassemble(unpadded_shard, sharding.solution_reassemble))
+    assert "rank 1" in problems and "expected shape" in problems and "pad with zeros" in problems, problems
+
+
+def test_wrong_rows_name_rank_and_element():
+    problems = repr(sharding.check_shard_and_reassemble(wrong_rows_shard, sharding.solution_reassemble))
+    assert "world_size=2, shape (5, 2), rank 0: my_shard: element (2, 0): expected 5, got 0" in problems, problems
+
+
+def test_all_reduce_is_rejected_although_the_result_is_right():
+    problems = repr(sharding.check_shard_and_reassemble(sharding.solution_shard, reassemble_with_all_reduce))
+    assert "dist.all_reduce" in problems and "one all-gather" in problems, problems
+
+
+def test_padding_left_in_is_named():
+    problems = repr(sharding.check_shard_and_reassemble(sharding.solution_shard, reassemble_keeping_padding))
+    assert "world_size=2, shape (5, 2), rank 0: my_reassemble: expected shape (5, 2), got (6, 2)" in problems, problems
+
+
+def test_several_all_gathers_are_rejected():
+    problems = repr(sharding.check_shard_and_reassemble(sharding.solution_shard, reassemble_per_row))
+    assert "all-gather 3 times" in problems, problems
+
+
+def test_expected_shard_matches_fully_shard():
+    """The checker's idea of a shard is what FSDP2 really keeps (values, and the padded storage)."""
+    def shard_like_fsdp():
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        layer = nn.Linear(2, 3, bias=False)
+        with torch.no_grad():
+            layer.weight.copy_(sharding._full_tensor((3, 2)))
+        fully_shard(layer, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+        local = layer.weight.to_local()
+        return local.clone(), local.untyped_storage().nbytes()
+
+    for rank, (local, nbytes) in enumerate(launch(shard_like_fsdp, 2)):
+        want = sharding.expected_shard(sharding._full_tensor((3, 2)), rank, 2)
+        assert torch.equal(local, want[:len(local)]) and nbytes == want.numel() * 4
+
+
+# ---------------------------------------------------------------- memory accounting
+
+def test_storage_bytes_counts_each_storage_once_with_padding():
+    flat = torch.zeros(10)
+    views = [flat[:3], flat[3:7]]                       # 7 of 10 floats used: the 3 spare count too
+    assert sharding.storage_bytes(views) == 40
+    assert sharding.storage_bytes([torch.zeros(5), torch.zeros(5, dtype=torch.float64), None]) == 60
+    seen = set()
+    assert sharding.storage_bytes(views, seen) == 40 and sharding.storage_bytes([flat], seen) == 0
+
+
+def test_rank_memory_of_adam():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(5, 4)).sum().backward()
+    optimizer.step()
+    held = sharding.rank_memory(model, optimizer)
+    params = 4 * (12 + 3 + 3 + 3)                       # weight, bias, BN weight, BN bias
+    assert held == {"parameters": params, "gradients": params,
+                    "optimizer state": 2 * params + 4 * 4,   # exp_avg, exp_avg_sq, a float32 step per tensor
+                    "buffers": 4 * 3 * 2 + 8}               # running mean and var, num_batches_tracked (int64)
+
+
+def test_rank_memory_counts_a_shard_view_once():
+    flat = torch.zeros(8)
+    model = nn.Linear(3, 2)                             # 8 parameters
+    model.weight.data, model.bias.data = flat[:6].view(2, 3), flat[6:]
+    shard = nn.Parameter(flat[4:])                      # a view, as the ZeRO-1 cell makes it
+    optimizer = torch.optim.Adam([shard])
+    shard.grad = torch.ones(4)
+    optimizer.step()
+    held = sharding.rank_memory(model, optimizer)
+    assert held["parameters"] == 32 and held["gradients"] == 16 and held["optimizer state"] == 2 * 16 + 4
+
+
+def test_format_table_lists_theory_and_every_rank():
+    row = {"scheme": "DDP", "N": 2, "theory": {"parameters": 4, "gradients": 4, "optimizer state": 8},
+           "held": [dict.fromkeys(sharding.CATEGORIES, 1), dict.fromkeys(sharding.CATEGORIES, 2)]}
+    text = sharding.format_table([row])
+    assert "theory" in text and "rank 1" in text and text.splitlines()[1].rstrip().endswith("16")
