@@ -374,14 +374,55 @@ def check_tree_broadcast(fn):
                   algorithm=_tree_broadcast_traffic)
 
 
+def _ring_all_reduce_traffic(traffic, n, length):
+    """A ring all-reduce: every rank sends 2(n-1) messages, all to the same neighbour, each one chunk
+    of the tensor (torch.tensor_split: chunks differ by at most one element), and the messages of a
+    step travel at once, so the longest chain of messages that wait for each other is 2(n-1)."""
+    size, steps = 4 * length, 2 * (n - 1)
+    chunk_bytes = {4 * (length // n), 4 * -(-length // n)}
+    by_rank = [[(peer, nbytes) for (src, peer, _), nbytes in sorted(traffic.message_bytes.items()) if src == rank]
+               for rank in range(n)]
+    sources = [sorted({src for (src, peer, _) in traffic.message_bytes if peer == rank}) for rank in range(n)]
+    hub = max(range(n), key=lambda r: len(sources[r]))
+    whole = [(r, peer) for r in range(n) for peer, nbytes in by_rank[r] if nbytes >= size and max(chunk_bytes) < size]
+    if len(sources[hub]) > 1 or whole:
+        who = (f"rank {hub} received from ranks {', '.join(map(str, sources[hub]))}" if len(sources[hub]) > 1 else
+               f"rank {whole[0][0]} sent the whole tensor ({size} bytes) to rank {whole[0][1]}")
+        return [f"{who}: that is gathering the tensors at one rank and sending the sum back (or passing whole "
+                f"tensors around). The result is right, but one link carries (n-1)·S bytes each way while the "
+                f"others idle, and the time grows with n. In a ring, each rank sends only to its neighbour, and "
+                f"only one chunk of S/n bytes per step: 2(n-1)/n·S bytes in all, on every link at once"]
+    for rank in range(n):
+        sent = by_rank[rank]
+        if len(sent) != steps:
+            return [f"rank {rank} sent {len(sent)} messages; a ring all-reduce sends 2(n-1) = {steps}: n-1 steps of "
+                    f"reduce-scatter, then n-1 steps of all-gather, one chunk per step"]
+        odd = [nbytes for _, nbytes in sent if nbytes not in chunk_bytes]
+        if odd:
+            return [f"rank {rank} sent a message of {odd[0]} bytes; each step sends one chunk, "
+                    f"{' or '.join(map(str, sorted(chunk_bytes)))} bytes for {length} floats over {n} ranks "
+                    f"(torch.tensor_split makes chunks that differ by at most one element)"]
+    directions = {(peer - rank) % n for rank in range(n) for peer, _ in by_rank[rank]}
+    if len(directions) != 1 or not directions <= {1, n - 1}:
+        return ["the ranks do not all send to the same neighbour: in a ring, rank r sends to rank r+1 "
+                "(or every rank to r-1) and receives from the other side"]
+    if traffic.rounds > steps:
+        return [f"{traffic.rounds} rounds instead of 2(n-1) = {steps}: a rank waits to receive before it sends in "
+                f"the same step (longest chain: {traffic.describe_chain()}), so the ranks take turns. Post each "
+                f"step's send and receive together (dist.batch_isend_irecv), so that every link is busy at once"]
+    return []
+
+
 def check_ring_all_reduce(fn):
     """Notebook 03: `fn(t)` returns the element-wise sum over ranks, by reduce-scatter then
-    all-gather around a ring, with lengths the world size does not divide."""
+    all-gather around a ring, with lengths the world size does not divide. Also checks how: per rank,
+    2(n-1) messages of one chunk each to one neighbour, in 2(n-1) rounds (not gather-and-send-back).
+    Reference solution: ddp_helpers/solutions.py, ring_all_reduce."""
     return _check("ring_all_reduce", fn, _LENGTH_CASES, _rank_data,
                   lambda r, n, k: sum(_rank_data(i, n, k)[0] for i in range(n)),
                   forbidden=("all_reduce", "reduce", "reduce_scatter", "all_gather", "broadcast",
                              "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather_single",
-                             "reduce_scatter_single"))
+                             "reduce_scatter_single"), algorithm=_ring_all_reduce_traffic)
 
 
 _BUSBW_CASES = [("all_reduce", 2**20, 100.0, 2), ("all_reduce", 2**30, 3273.0, 8),
