@@ -8,7 +8,6 @@ Bytes are counted as PyTorch holds them: the whole storage behind each tensor
 (so padding that a shard is a view into counts), each storage once, and for a
 DTensor the local shard's storage.
 """
-import matplotlib.pyplot as plt
 import torch
 import torch.distributed as dist
 
@@ -87,6 +86,7 @@ _COLOURS = {"parameters": "#4C72B0", "gradients": "#DD8452", "optimizer state": 
 
 def plot_memory_table(rows, title="Bytes per rank: theory (hatched) vs what rank 0 holds"):
     """Stacked bars per scheme and N: the computed bytes beside what rank 0 measured."""
+    import matplotlib.pyplot as plt   # here, not at the top: ranks import this module and never plot
     fig, ax = plt.subplots(figsize=(9, 3.4))
     labels, x = [], 0
     for row in rows:
@@ -113,6 +113,7 @@ def plot_memory_table(rows, title="Bytes per rank: theory (hatched) vs what rank
 def plot_zero_stages(world_size=4):
     """The ZeRO paper's picture: what each of `world_size` ranks keeps of the parameters,
     gradients and optimizer state under DDP, ZeRO-1, ZeRO-2 and ZeRO-3 (FSDP)."""
+    import matplotlib.pyplot as plt
     stages = [("DDP", ()), ("ZeRO-1", ("optimizer state",)), ("ZeRO-2", ("optimizer state", "gradients")),
               ("ZeRO-3 = FSDP", ("optimizer state", "gradients", "parameters"))]
     sizes = {"parameters": 1, "gradients": 1, "optimizer state": 2}   # Adam: 2 floats per parameter
