@@ -27,7 +27,6 @@ import argparse
 import contextlib
 import glob
 import io
-import json
 import os
 import re
 import subprocess
@@ -40,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from ddp_helpers import bench, machine  # noqa: E402
+from ddp_helpers import bench, machine, reference  # noqa: E402
 
 TRANSPORT_LINES = re.compile(r" via |NVLS|Connected all|P2P Type|NCCL version|Using network|nRanks")
 
@@ -272,9 +271,7 @@ def main():
     for name, rows in (("bench_all_reduce", all_reduce), ("bench_collectives", others),
                        ("bench_nccl_tests_comparison", comparison_rows)):
         if rows:  # each CSV with its metadata beside it, as ddp_helpers.reference reads them
-            bench.write_csv(rows, out(f"{name}.csv"))
-            with open(out(f"{name}.json"), "w") as f:
-                json.dump(meta, f, indent=1)
+            reference.save(name, rows, meta, args.out)
     failed = [s["step"] for s in steps.log if s["ok"] is False]
     print(f"finished in {meta['runtime_s']} s; wrote {sorted(os.listdir(args.out))}"
           + (f"; FAILED steps: {failed}" if failed else ""), flush=True)

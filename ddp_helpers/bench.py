@@ -22,7 +22,6 @@ Definitions (nccl-tests `doc/PERFORMANCE.md`), n ranks, t seconds per call:
   reduce_scatter, all_to_all, 1 for broadcast, reduce, sendrecv.
 """
 import argparse
-import csv
 import os
 import platform
 import re
@@ -33,7 +32,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import machine
+from . import machine, reference
+from .collectives import renamed
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all", "sendrecv")
 SPLIT = ("all_gather", "reduce_scatter", "all_to_all")   # S holds one chunk per rank
@@ -52,9 +52,6 @@ NCCL_TYPE_NAMES = {torch.float32: "float", torch.float16: "half", torch.bfloat16
 # (measured on 2 H200s: 10 -> 5 µs for small all_reduces). A sweep never runs both at once.
 GRAPH_ENV = {"NCCL_GRAPH_MIXING_SUPPORT": "0"}
 
-# torch 2.14 renamed two collectives (the old names warn); torch 2.11 has only the old ones.
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 # ------------------------------------------------- formulas (no processes needed)
@@ -208,10 +205,12 @@ def prepare(collective, count, dtype, device):
         expected = (lambda: _sum_over_ranks(count, n, dtype, device)) if r == 0 else (lambda: None)
         return (lambda: dist.reduce(mine, dst=0)), mine, expected
     if collective == "all_gather":
-        return ((lambda: all_gather_single(out, mine)), out,
+        gather = renamed("all_gather_single")
+        return ((lambda: gather(out, mine)), out,
                 lambda: torch.cat([pattern(count, j, dtype, device) for j in range(n)]))
     if collective == "reduce_scatter":  # rank r gets the sum of everyone's r-th chunk
-        return ((lambda: reduce_scatter_single(out, mine)), out,
+        scatter = renamed("reduce_scatter_single")
+        return ((lambda: scatter(out, mine)), out,
                 lambda: _sum_over_ranks(count, n, dtype, device, offset=r * count))
     if collective == "all_to_all":      # chunk j of rank r goes to rank j
         return ((lambda: dist.all_to_all_single(out, mine)), out,
@@ -320,8 +319,12 @@ def hardware_name(device):
 
 # -------------------------------------------------------------------- sweep
 def sweep(collective, sizes, dtype=torch.float32, device="cpu", iters=20, warmup=5, cuda_graph=False,
-          verbose=False):
+          verbose=False, timer=None):
     """Measure `collective` at each requested size (bytes); run on every rank.
+
+    timer(call, iters, warmup, device) -> seconds per call on this rank: how each size is timed
+    (default `time_calls`; notebook 04 writes its own in a cell and passes it here). With
+    cuda_graph, the calls are captured and replayed by `time_calls` instead.
 
     Returns the same list of rows on every rank, one dict per size: bytes (S),
     count, dtype, time_us (mean per call, averaged over ranks), algbw_GBps,
@@ -341,11 +344,13 @@ def sweep(collective, sizes, dtype=torch.float32, device="cpu", iters=20, warmup
         print(header(base), flush=True)
     # An untimed round first: a process's first timed loop pays one-time costs (seen on
     # H200s: the first size 2-4x slower), as nccl-tests' warm-up of all sizes avoids.
-    time_calls(prepare(collective, plans[0][0], dtype, dev)[0], 1, warmup, dev, cuda_graph)
+    timed = time_calls if timer is None or cuda_graph else (
+        lambda call, iters, warmup, dev, cuda_graph: timer(call, iters, warmup, dev))
+    timed(prepare(collective, plans[0][0], dtype, dev)[0], 1, warmup, dev, cuda_graph)
     rows = []
     for count, nbytes in plans:
         call, _, _ = prepare(collective, count, dtype, dev)
-        seconds = time_calls(call, iters, warmup, dev, cuda_graph)
+        seconds = timed(call, iters, warmup, dev, cuda_graph)
         del call  # frees the timed buffers before the check makes its own
         wrong = count_wrong(collective, count, dtype, dev)
         # one all_reduce gives the mean time and the total #wrong over ranks
@@ -361,13 +366,15 @@ def sweep(collective, sizes, dtype=torch.float32, device="cpu", iters=20, warmup
 
 
 def measure(collective="all_reduce", sizes=(8, 1024, 2**20), world_size=2, backend="gloo", device="cpu",
-            dtype=torch.float32, iters=20, warmup=5, cuda_graph=False, env=None, timeout=300, verbose=False):
+            dtype=torch.float32, iters=20, warmup=5, cuda_graph=False, env=None, timeout=300, verbose=False,
+            timer=None):
     """Start `world_size` ranks with `launch`, run `sweep` there, return rank 0's rows.
 
     Checks the arguments here first, so a mistake fails before any process starts.
     env: extra environment for the ranks, e.g. {"NCCL_P2P_DISABLE": "1"}; with
          cuda_graph, GRAPH_ENV is added for what neither env nor os.environ sets.
     verbose: print the nccl-tests table live (otherwise the ranks stay quiet).
+    timer: how to time each size, as in `sweep` (it travels to the ranks with cloudpickle).
     """
     from .launcher import launch
     dtype = resolve_dtype(dtype)
@@ -377,7 +384,10 @@ def measure(collective="all_reduce", sizes=(8, 1024, 2**20), world_size=2, backe
         plan(collective, s, dtype.itemsize, world_size)
     graph_env = {k: v for k, v in GRAPH_ENV.items() if cuda_graph and k not in os.environ}
     env = {**graph_env, **(env or {})}
-    kwargs = dict(dtype=dtype, device=device, iters=iters, warmup=warmup, cuda_graph=cuda_graph, verbose=verbose)
+    if timer is not None and not callable(timer):
+        raise ValueError(f"timer must be a function timer(call, iters, warmup, device), got {timer!r}")
+    kwargs = dict(dtype=dtype, device=device, iters=iters, warmup=warmup, cuda_graph=cuda_graph, verbose=verbose,
+                  timer=timer)
     results = launch(sweep, world_size, backend, args=(collective, list(sizes)), kwargs=kwargs,
                      timeout=timeout, env=env, quiet=not verbose)
     return results[0]
@@ -414,22 +424,6 @@ def format_row(row):
     return ("%12d  %12d  %8s  %6s  %6s" % (row["bytes"], row["count"], row["dtype"], row["redop"], row["root"])
             + "  %7s  %6s  %6s  %6d" % (_fixed(row["time_us"], 7), _fixed(row["algbw_GBps"], 6),
                                         _fixed(row["busbw_GBps"], 6), row["wrong"]))
-
-
-def write_csv(rows, path):
-    """Write rows (dicts with the same keys) to a CSV file; creates the folder."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-
-
-def read_csv(path):
-    """Rows from `write_csv`, with numbers and True/False turned back into Python values."""
-    from .reference import parse_value
-    with open(path, newline="") as f:
-        return [{k: parse_value(v) for k, v in row.items()} for row in csv.DictReader(f)]
 
 
 # ------------------------------------------------------------- command line
@@ -476,7 +470,7 @@ def main(argv=None):
     else:
         rows = _main_in_rank(args, sizes, options)
     if rows and args.csv:
-        write_csv(rows, args.csv)
+        reference.write_rows(rows, args.csv)
     return rows
 
 

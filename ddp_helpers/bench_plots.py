@@ -59,6 +59,20 @@ def fit_alpha_beta(rows):
     return float(alpha_us), float(beta_GBps)
 
 
+def fit_beta(rows, min_bytes=16 * 2**20):
+    """beta fitted on the large messages only (S >= min_bytes), by ordinary least squares of
+    t = alpha + S / beta: (alpha_us, beta_GBps). beta is a fitted parameter, the model's algbw
+    for an infinitely large message: the model's algbw at size S is beta / (1 + alpha * beta / S),
+    below beta, so a fitted beta lies a little above the best measured algbw when the model fits."""
+    big = [r for r in rows if r["bytes"] >= min_bytes]
+    if len({r["bytes"] for r in big}) < 2:
+        raise ValueError(f"fitting beta on messages of at least {human_bytes(min_bytes)} needs two such sizes")
+    S = np.array([r["bytes"] for r in big], dtype=float)
+    t = np.array([r["time_us"] for r in big], dtype=float)
+    (alpha_us, us_per_byte), *_ = np.linalg.lstsq(np.column_stack([np.ones_like(S), S]), t, rcond=None)
+    return float(alpha_us), float(1e-3 / us_per_byte) if us_per_byte > 0 else float("inf")
+
+
 def model_time_us(nbytes, alpha_us, beta_GBps):
     """t = alpha + S / beta, in µs."""
     return alpha_us + np.asarray(nbytes, dtype=float) / (beta_GBps * 1e3)
@@ -142,6 +156,20 @@ def plot_sweeps(rows, title=None, fit=True):
     collectives = ", ".join(sorted({r["collective"] for r in rows}))
     hardware = "; ".join(sorted({r["hardware"] for r in rows}))
     fig.suptitle(title or f"{collectives}, measured on {hardware}")
+    fig.tight_layout()
+    return fig
+
+
+def plot_panels(panels, title=None, width=5.2, height=4.6):
+    """One message per panel, side by side: panels is a list of (message, rows, what, fit) with
+    what "time" or "busbw"; the message is the panel's title."""
+    fig, axes = plt.subplots(1, len(panels), figsize=(width * len(panels), height), squeeze=False)
+    for ax, (message, rows, what, fit) in zip(axes[0], panels):
+        (plot_time if what == "time" else plot_busbw)(rows, ax, fit)
+        ax.set_title(message, fontsize=11)
+        ax.set_xlabel("message size S")
+    if title:
+        fig.suptitle(title)
     fig.tight_layout()
     return fig
 

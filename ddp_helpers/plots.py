@@ -18,7 +18,7 @@ def _as_rows(value):
     return torch.as_tensor(value).flatten().float()
 
 
-def _draw_row(ax, row, norm, cmap, label_fmt="{:g}"):
+def _draw_row(ax, row, norm, cmap, label_fmt="{:g}", colour_of=None):
     ax.set_xticks([])
     ax.set_yticks([])
     for side in ax.spines.values():
@@ -26,39 +26,61 @@ def _draw_row(ax, row, norm, cmap, label_fmt="{:g}"):
     if row is None or row.numel() == 0:
         ax.text(0.5, 0.5, "—", ha="center", va="center", transform=ax.transAxes, color="grey")
         return
-    ax.imshow(row.reshape(1, -1).numpy(), cmap=cmap, norm=norm, aspect="equal")
-    for i, v in enumerate(row.tolist()):
-        shade = cmap(norm(v))
+    shades = row if colour_of is None else torch.tensor([float(colour_of(v)) for v in row.tolist()])
+    ax.imshow(shades.reshape(1, -1).numpy(), cmap=cmap, norm=norm, aspect="equal")
+    for i, (v, c) in enumerate(zip(row.tolist(), shades.tolist())):
+        shade = cmap(norm(c))
         ink = "black" if 0.299 * shade[0] + 0.587 * shade[1] + 0.114 * shade[2] > 0.55 else "white"
         ax.text(i, 0, label_fmt.format(v), ha="center", va="center", fontsize=9, color=ink)
 
 
-def show_ranks(per_rank, title, stages=("before", "after"), cmap="viridis"):
+def source_rank(value):
+    """The rank a value came from, in notebook 03's data: rank r starts with 10·r + i, so the tens
+    digit names the rank (rank 0's scatter list, 100·j + i, has tens digit 0: it all comes from rank 0)."""
+    return int(value) // 10 % 10
+
+
+def show_ranks(per_rank, title, stages=("before", "after"), cmap="viridis", colour_by="value"):
     """Draw each rank's tensors, one row per rank, one column per stage.
 
     per_rank[r] is a tuple with one tensor (or list of tensors, or None) per stage,
     e.g. the `(before, after)` a `%%ddp` cell returned on rank r.
+    colour_by="value": a colour scale of the values (for sums); "source": one colour per rank
+    the value came from (`source_rank`), with a legend, to follow data as it moves.
     """
     rows = [[_as_rows(v) for v in stage_values] for stage_values in per_rank]
     known = [r for ranks in rows for r in ranks if r is not None and r.numel()]
-    low = min(float(r.min()) for r in known)
-    high = max(float(r.max()) for r in known)
-    norm = colors.Normalize(vmin=low, vmax=high if high > low else low + 1)
-    cmap = plt.get_cmap(cmap)
+    if colour_by == "source":
+        sources = len(per_rank)
+        cmap = colors.ListedColormap([plt.get_cmap("tab10")(i) for i in range(sources)])
+        norm = colors.BoundaryNorm([i - 0.5 for i in range(sources + 1)], sources)
+        colour_of = source_rank
+    else:
+        low = min(float(r.min()) for r in known)
+        high = max(float(r.max()) for r in known)
+        norm = colors.Normalize(vmin=low, vmax=high if high > low else low + 1)
+        cmap = plt.get_cmap(cmap)
+        colour_of = None
     widths = [max([r.numel() for r in column if r is not None] + [1]) for column in zip(*rows)]
     fig, axes = plt.subplots(len(rows), len(stages), squeeze=False, gridspec_kw={"width_ratios": widths},
-                             figsize=(1.4 + 0.42 * sum(widths), 0.5 * len(rows) + 0.9))
+                             figsize=(1.4 + 0.42 * sum(widths), 0.5 * len(rows) + 0.9 + 0.3 * (colour_by == "source")))
     for rank, ranks in enumerate(rows):
         for col, row in enumerate(ranks):
             ax = axes[rank][col]
-            _draw_row(ax, row, norm, cmap)
+            _draw_row(ax, row, norm, cmap, colour_of=colour_of)
             ax.set_xlim(-0.5, widths[col] - 0.5)
             if col == 0:
                 ax.set_ylabel(f"rank {rank}", rotation=0, ha="right", va="center")
             if rank == 0:
                 ax.set_title(stages[col])
     fig.suptitle(title)
-    fig.tight_layout()
+    if colour_by == "source":
+        fig.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=cmap(i)) for i in range(len(per_rank))],
+                   labels=[f"from rank {i}" for i in range(len(per_rank))], loc="lower center",
+                   ncol=len(per_rank), frameon=False, fontsize=9)
+        fig.tight_layout(rect=(0, 0.08, 1, 1))
+    else:
+        fig.tight_layout()
     plt.show()
 
 
@@ -108,15 +130,26 @@ def ring_stepper(snapshots):
 
 
 def ring_all_steps(snapshots):
-    """Every step of the ring side by side (the stepper's frames, for a printed page)."""
-    steps = len(snapshots[0])
-    fig, axes = plt.subplots(1, steps, figsize=(2.6 * steps, 0.5 + 0.55 * len(snapshots)), squeeze=False)
-    for step, ax in enumerate(axes[0]):
-        draw_ring_step(snapshots, step, ax)
-        ax.set_title(ax.get_title().replace(": ", "\n"), fontsize=9)
-        if step:
-            ax.set_yticks([])
-        ax.set_xticks(range(len(snapshots)), [f"c{c}" for c in range(len(snapshots))])
+    """Every step of the ring (the stepper's frames, for a printed page), in two rows that fit a
+    notebook's width: the start and the reduce-scatter steps above, the all-gather steps below."""
+    n = len(snapshots)
+    fig, axes = plt.subplots(2, n, figsize=(2.25 * n, 2 * (0.75 + 0.42 * n)), squeeze=False)
+    frames = [list(range(0, n)), [None] + list(range(n, 2 * n - 1))]
+    for row, steps in enumerate(frames):
+        for col, step in enumerate(steps):
+            ax = axes[row][col]
+            if step is None:
+                ax.axis("off")
+                ax.text(0.5, 0.5, "after reduce-scatter,\neach rank owns the\nfull sum of one chunk\n(dark); now share them",
+                        ha="center", va="center", fontsize=9, transform=ax.transAxes)
+                continue
+            draw_ring_step(snapshots, step, ax)
+            ax.set_title(ax.get_title().split(": ")[1], fontsize=10)
+            ax.set_xticks(range(n), [f"c{c}" for c in range(n)], fontsize=8)
+            if col > (row == 1):
+                ax.set_yticks([])
+            for text in ax.texts:
+                text.set_fontsize(8)
     fig.tight_layout()
     plt.show()
 

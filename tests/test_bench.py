@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ddp_helpers import WorkerError, bench, launch, machine, torchrun
+from ddp_helpers import WorkerError, bench, launch, machine, reference, torchrun
 from ddp_helpers import bench_plots as plots
 from like_torchrun import run_module_like_torchrun
 
@@ -116,8 +116,8 @@ def test_table_has_the_all_reduce_perf_layout():
 def test_csv_round_trip(tmp_path):
     rows = [{"collective": "all_reduce", "bytes": 8, "time_us": 19.5, "cuda_graph": False, "note": ""},
             {"collective": "all_reduce", "bytes": 16, "time_us": 20.0, "cuda_graph": True, "note": "x=1"}]
-    bench.write_csv(rows, tmp_path / "sub" / "rows.csv")
-    assert bench.read_csv(tmp_path / "sub" / "rows.csv") == rows
+    reference.write_rows(rows, tmp_path / "sub" / "rows.csv")
+    assert reference.read_rows(tmp_path / "sub" / "rows.csv") == rows
 
 
 def test_compare_gives_ratio_per_common_size():
@@ -234,7 +234,7 @@ def test_cli_under_torchrun_environment(tmp_path):
     assert rc0 == 0 and rc1 == 0, err0 + err1
     check_table(out0, [8, 32, 128, 512, 2048])
     assert out1 == ""  # only rank 0 prints
-    assert [r["bytes"] for r in bench.read_csv(csv_path)] == [8, 32, 128, 512, 2048]
+    assert [r["bytes"] for r in reference.read_rows(csv_path)] == [8, 32, 128, 512, 2048]
 
 
 @needs_2_gpus
@@ -289,6 +289,43 @@ def test_alpha_beta_fit_recovers_the_model():
     assert plots.model_time_us(2.2e9, 0.0, 2.2) == pytest.approx(1e6)     # 2.2 GB at 2.2 GB/s: one second
     with pytest.raises(ValueError, match="two different message sizes"):
         plots.fit_alpha_beta(synthetic_rows(1.0, 1.0)[:1])
+
+
+def test_beta_fitted_on_large_messages_and_its_gap_to_the_best_measured():
+    rows = synthetic_rows(150.0, 2.2)
+    alpha, beta = plots.fit_beta(rows, min_bytes=MiB)
+    assert alpha == pytest.approx(150.0, rel=1e-3) and beta == pytest.approx(2.2, rel=1e-6)
+    # the model's algbw stays below beta at every size: a fitted beta lies above the best measured algbw
+    assert max(r["algbw_GBps"] for r in rows) < beta
+    stored, _ = reference.load("bench_all_reduce")
+    nccl = [r for r in stored if r["backend"] == "nccl" and not r["cuda_graph"] and not r.get("note")]
+    best = max(r["algbw_GBps"] for r in nccl)
+    _, beta = plots.fit_beta(nccl)
+    assert best < beta < 1.02 * best   # notebook 04: 329.3 GB/s fitted on >= 16 MiB, 326.7 measured
+    with pytest.raises(ValueError, match="needs two such sizes"):
+        plots.fit_beta(rows, min_bytes=64 * MiB)
+
+
+def test_panels_have_one_message_each():
+    fig = plots.plot_panels([("first message", synthetic_rows(150.0, 2.2), "time", True),
+                             ("second message", synthetic_rows(19.0, 300.0), "busbw", False)])
+    assert [ax.get_title() for ax in fig.axes] == ["first message", "second message"]
+    assert fig.axes[1].get_ylabel().startswith("bus bandwidth")
+    matplotlib.pyplot.close(fig)
+
+
+def sweep_with_own_timer(sizes):
+    def constant(call, iters, warmup, device):  # a timer of one's own: here every call "takes" 1 ms
+        call()
+        return 1e-3
+    return bench.sweep("all_reduce", sizes, iters=2, warmup=1, timer=constant)
+
+
+def test_sweep_uses_the_timer_it_is_given():
+    rows = launch(sweep_with_own_timer, 2, "gloo", args=([4096],), quiet=True)[0]
+    assert rows[0]["time_us"] == pytest.approx(1000.0) and rows[0]["wrong"] == 0
+    with pytest.raises(ValueError, match="timer must be a function"):
+        bench.measure("all_reduce", [8], timer="fast")
 
 
 def test_plots_draw_one_line_per_series_on_log_axes():

@@ -36,11 +36,18 @@ def test_recorded_ring_handles_lengths_the_world_size_does_not_divide():
 
 def test_probe_finds_everything_on_gloo_cpu_and_reports_refusals():
     found = launch(probe_support, 2)[0]
+    # Gloo's list form of all_to_all is missing in torch 2.11 ("does not support alltoall"), there in 2.14
+    assert found.pop("all_to_all") in ("✓", "✘ RuntimeError")
     assert found and all(v == "✓" for v in found.values()), found
     # tensors on a device the backend cannot use are refused op by op, and the probe says so
     refused = launch(probe_support, 2, args=("meta",))[0]
-    assert set(refused) == set(found)
+    assert set(refused) == set(found) | {"all_to_all"}
     assert all(v.startswith("✘") for op, v in refused.items() if op != "barrier"), refused
+
+
+def test_probe_skips_what_it_is_told_to():
+    found = launch(probe_support, 2, kwargs={"skip": ("send / recv",)})[0]
+    assert found["send / recv"] == "not probed" and found["broadcast"] == "✓"
 
 
 def test_ping_pong_times_every_size_on_ranks_0_and_1_only():
@@ -57,6 +64,29 @@ def test_show_ranks_draws_one_row_per_rank_and_a_column_per_stage():
     assert len(fig.axes) == 6 and fig.axes[0].get_title() == "before"
     texts = [t.get_text() for t in fig.axes[3].texts]  # rank 1, "after": no tensor
     assert texts == ["—"]
+    matplotlib.pyplot.close("all")
+
+
+def test_show_ranks_colours_by_source_rank():
+    per_rank = [(torch.arange(4.0) + 10 * r, [torch.arange(4.0) + 10 * j for j in range(3)]) for r in range(3)]
+    plots.show_ranks(per_rank, "test", colour_by="source")
+    fig = matplotlib.pyplot.gcf()
+    assert [t.get_text() for t in fig.legends[0].texts] == ["from rank 0", "from rank 1", "from rank 2"]
+    # rank 1's "before" is all from rank 1: one colour, that of rank 1 in the legend
+    image = fig.axes[2].images[0]
+    assert image.get_array().tolist() == [[1.0, 1.0, 1.0, 1.0]]
+    assert plots.source_rank(23) == 2 and plots.source_rank(301) == 0
+    matplotlib.pyplot.close("all")
+
+
+def test_ring_strip_fits_a_notebook_in_two_rows():
+    snapshots = [s for _, s in launch(ring_of_powers, 4)]
+    plots.ring_all_steps(snapshots)
+    fig = matplotlib.pyplot.gcf()
+    assert fig.get_figwidth() <= 9.5  # a notebook's width at 100 dpi, about 9-10 inches
+    titles = [ax.get_title() for ax in fig.axes if ax.images]
+    assert titles == ["start"] + [f"reduce-scatter step {i}/3" for i in (1, 2, 3)] + \
+        [f"all-gather step {i}/3" for i in (1, 2, 3)]
     matplotlib.pyplot.close("all")
 
 
@@ -78,6 +108,16 @@ def test_reference_files_round_trip_and_label(tmp_path):
     loaded, loaded_meta = reference.load("demo", tmp_path)
     assert loaded == rows and loaded_meta == meta
     assert reference.label(meta) == "2x Test GPU, NVLink, torch 2.11, nccl 2.28 (stored, measured 2026-11-30)"
+
+
+def test_one_loader_for_every_kind_of_stored_result(tmp_path):
+    (tmp_path / "report.json").write_text('{"date": "2026-11-30"}')
+    (tmp_path / "log.txt").write_text("NCCL INFO line\n")
+    assert reference.load("report", tmp_path) == {"date": "2026-11-30"}
+    assert reference.load("log.txt", tmp_path) == "NCCL INFO line\n"
+    with pytest.raises(FileNotFoundError, match="no stored result 'missing': neither missing.csv nor missing.json"):
+        reference.load("missing", tmp_path)
+    assert "via P2P" in reference.load("bench_nccl_debug.txt")
 
 
 def test_stored_gpu_references_are_real_measurements():
