@@ -4,7 +4,7 @@ within a time budget, and write a short report.
     python scripts/gpu_suite.py                      # budget 480 s, report in gpu-suite/
     python scripts/gpu_suite.py --budget-s 600 --out /tmp/report -- -k "not slow"
 
-It is the README's test command (`python -m pytest`) run in this process, with three additions:
+It is the README's test command (`python -m pytest`) run in this process, with these additions:
 - a budget: once it is spent, no further test starts (the one running finishes, and the report
   names what was not run);
 - the report, `report.md`: the machine (GPUs, torch, CUDA, NCCL), the counts, the time, the
@@ -46,23 +46,36 @@ def machine_lines():
     return lines
 
 
-class Recorder:
-    """A pytest plugin: stops starting tests once the budget is spent; keeps each test's outcome,
-    time and one-line reason, and each notebook cell's outputs."""
+NOT_RUN = "not run: the suite's time budget was spent"
+DEADLINE_ENV = "GPU_SUITE_DEADLINE"     # time.time() after which no test starts (read in each worker)
 
-    def __init__(self, budget_s):
-        self.deadline = time.monotonic() + budget_s
+
+# Hooks of this module, loaded with `-p gpu_suite` in this process and in each pytest-xdist worker.
+def pytest_runtest_setup(item):
+    if time.time() > float(os.environ.get(DEADLINE_ENV, "inf")):
+        import pytest
+        pytest.skip(NOT_RUN)
+
+
+def pytest_runtest_makereport(item, call):
+    """A notebook cell's outputs travel with its report (from an xdist worker too)."""
+    outputs = getattr(item, "test_outputs", None)
+    if call.when == "call" and outputs is not None and hasattr(item, "cell_num"):
+        import json
+        item.user_properties.append(("nbval_cell", (str(item.parent.path), item.cell_num,
+                                                    json.dumps(outputs, default=str))))
+
+
+class Recorder:
+    """Keeps each test's outcome, time and one-line reason, and each notebook cell's outputs."""
+
+    def __init__(self):
         self.reports = {}                      # nodeid -> (outcome, seconds, one line)
         self.not_run = []
-        self.cells = collections.defaultdict(dict)   # notebook path -> {cell index: outputs}
-
-    def pytest_runtest_protocol(self, item, nextitem):
-        if time.monotonic() > self.deadline:
-            self.not_run.append(item.nodeid)
-            return True                        # handled: not run
-        return None
+        self.cells = collections.defaultdict(dict)   # notebook path -> {code cell index: outputs}
 
     def pytest_runtest_logreport(self, report):
+        import json
         outcome, seconds, line = self.reports.get(report.nodeid, ("passed", 0.0, ""))
         seconds += report.duration
         if report.failed:
@@ -70,12 +83,14 @@ class Recorder:
         elif report.skipped and outcome == "passed":
             outcome = "skipped"
             line = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+            if NOT_RUN in line:
+                self.not_run.append(report.nodeid)
+                outcome = "not run"
         self.reports[report.nodeid] = (outcome, seconds, line)
-
-    def pytest_runtest_teardown(self, item):
-        outputs = getattr(item, "test_outputs", None)
-        if outputs is not None and hasattr(item, "cell_num"):
-            self.cells[str(item.parent.path)][item.cell_num] = copy.deepcopy(outputs)
+        for key, value in report.user_properties:
+            if key == "nbval_cell":
+                path, index, outputs = value
+                self.cells[path][index] = json.loads(outputs)
 
 
 def last_line(report):
@@ -92,7 +107,7 @@ def write_notebooks(cells, folder):
         code = [c for c in nb.cells if c.cell_type == "code"]   # nbval numbers the code cells
         for index, cell in enumerate(code):
             if index in outputs:
-                cell.outputs = outputs[index]
+                cell.outputs = [nbformat.from_dict(output) for output in outputs[index]]
         with open(os.path.join(folder, os.path.basename(path)), "w") as f:
             nbformat.write(nb, f)
 
@@ -100,6 +115,7 @@ def write_notebooks(cells, folder):
 def report_lines(recorder, seconds, budget_s, machine):
     counts = collections.Counter(outcome for outcome, _, _ in recorder.reports.values())
     lines = ["# Test suite on this machine", "", *[f"- {line}" for line in machine], "",
+             f"- {recorder.workers} pytest-xdist workers" if recorder.workers else "- tests run one after another", "",
              f"**{counts['passed']} passed, {counts['failed'] + counts['error']} failed, "
              f"{counts['skipped']} skipped, {len(recorder.not_run)} not run (budget)** "
              f"in {seconds:.0f} s (budget {budget_s:.0f} s)", ""]
@@ -131,6 +147,9 @@ def main(argv=None):
                         help="no test starts after this many seconds (default 480: 8 minutes)")
     parser.add_argument("--out", default=os.path.join(REPO, "gpu-suite"),
                         help="folder for report.md, junit.xml and the executed notebooks")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="pytest-xdist workers (default: 4 where pytest-xdist is installed and the "
+                             "machine has 8 cores or more, else none: tests run one after another)")
     parser.add_argument("pytest_args", nargs="*", help="more pytest arguments, after --")
     args = parser.parse_args(argv)
     if args.budget_s <= 0:
@@ -141,10 +160,23 @@ def main(argv=None):
     os.chdir(REPO)
     machine = machine_lines()
     print("\n".join(machine), flush=True)
-    recorder = Recorder(args.budget_s)
+    workers = args.workers
+    if workers is None:
+        import importlib.util
+        workers = 4 if importlib.util.find_spec("xdist") and (os.cpu_count() or 1) >= 8 else 0
+    # this file is also the plugin that each xdist worker loads (`-p gpu_suite`)
+    here = os.path.dirname(os.path.abspath(__file__))
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
+    sys.path.insert(0, here)
+    os.environ[DEADLINE_ENV] = str(time.time() + args.budget_s)
+    parallel = ["-n", str(workers), "--dist", "loadscope"] if workers else []  # a notebook stays in one worker
+    print(f"{workers or 'no'} pytest-xdist workers", flush=True)
+    recorder = Recorder()
+    recorder.workers = workers
     start = time.monotonic()
-    code = pytest.main(["-p", "no:cacheprovider", "--junitxml", os.path.join(args.out, "junit.xml"),
-                        *args.pytest_args], plugins=[recorder])
+    code = pytest.main(["-p", "no:cacheprovider", "-p", "gpu_suite", *parallel,
+                        "--junitxml", os.path.join(args.out, "junit.xml"), *args.pytest_args],
+                       plugins=[recorder])
     seconds = time.monotonic() - start
     write_notebooks(recorder.cells, os.path.join(args.out, "notebooks"))
     lines = report_lines(recorder, seconds, args.budget_s, machine)
