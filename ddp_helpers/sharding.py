@@ -151,9 +151,30 @@ def plot_zero_stages(world_size=4):
 # including fewer rows than ranks (some ranks then hold nothing but padding)
 _SHARD_CASES = [(2, (6, 3)), (2, (5, 2)), (3, (7,)), (4, (10, 3)), (4, (3, 5)), (4, (1, 2))]
 
-_GATHERS = ("all_gather_into_tensor", "all_gather_single", "all_gather")
-_OTHERS = ("all_reduce", "broadcast", "all_gather_object", "scatter", "gather", "send", "recv", "isend", "irecv",
-           "reduce_scatter_tensor", "reduce_scatter", "reduce_scatter_single", "all_to_all", "all_to_all_single")
+def _collective_recorder():
+    """A dispatch mode that records every c10d collective as (name, bytes this rank sends).
+
+    It sees the collectives below torch.distributed's Python functions, so a call counts however
+    the learner reached it (dist.<name>, an older alias, or a variable holding the function)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func._schema.name
+            if name.startswith("c10d::"):
+                op = name[len("c10d::"):].strip("_").replace("allgather", "all_gather").replace(
+                    "allreduce", "all_reduce").replace("_base", "")
+                sent = args[1] if op.startswith("all_gather") and len(args) > 1 else args[0] if args else None
+                sent = [sent] if isinstance(sent, torch.Tensor) else list(sent or [])
+                self.calls.append((op, sum(t.numel() * t.element_size() for t in sent
+                                           if isinstance(t, torch.Tensor))))
+            return func(*args, **(kwargs or {}))
+
+    return Recorder()
 
 
 def _full_tensor(shape):
@@ -190,7 +211,7 @@ def _tensor_problem(what, want, got):
 
 def _shard_case_in_rank(shard_fn, reassemble_fn, shape):
     """Inside a rank: the learner's shard, then the learner's reassembly of the true shard,
-    with every collective wrapped to record (name, bytes sent by this rank)."""
+    with every collective recorded as (name, bytes sent by this rank)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     full = _full_tensor(shape)
     try:
@@ -199,31 +220,16 @@ def _shard_case_in_rank(shard_fn, reassemble_fn, shape):
         raise
     except Exception as err:
         return {"shard_error": f"{type(err).__name__}: {err}"}
-    calls, saved = [], {}
-
-    def wrap(name, original):
-        def call(*args, **kwargs):
-            sent = [a for a in args if isinstance(a, torch.Tensor)]
-            # the input is the last tensor argument for the *_into_tensor / _single forms
-            nbytes = sent[-1].numel() * sent[-1].element_size() if sent else 0
-            calls.append((name, nbytes))
-            return original(*args, **kwargs)
-        return call
-
-    for name in _GATHERS + _OTHERS:
-        if getattr(dist, name, None) is not None:
-            saved[name] = getattr(dist, name)
-            setattr(dist, name, wrap(name, saved[name]))
+    recorder = _collective_recorder()
     try:
-        got = reassemble_fn(expected_shard(full, rank, world_size), full.shape[0])
+        with recorder:
+            got = reassemble_fn(expected_shard(full, rank, world_size), full.shape[0])
         error = None
     except NotImplementedError:
         raise
     except Exception as err:
         got, error = None, f"{type(err).__name__}: {err}"
-    finally:
-        for name, original in saved.items():
-            setattr(dist, name, original)
+    calls = recorder.calls
     return {"shard": shard, "calls": calls, "full": got, "error": error}
 
 
@@ -244,8 +250,8 @@ def _shard_problems(result, rank, world_size, shape):
     problem = _tensor_problem("my_reassemble", full, result["full"])
     calls = result["calls"]
     shard_bytes = want.numel() * want.element_size()
-    others = [name for name, _ in calls if name not in _GATHERS]
-    gathers = [(name, n) for name, n in calls if name in _GATHERS]
+    others = [name for name, _ in calls if not name.startswith("all_gather")]
+    gathers = [(name, n) for name, n in calls if name.startswith("all_gather")]
     if others:
         return (f"my_reassemble called dist.{others[0]}: FSDP rebuilds a parameter with one all-gather, "
                 f"nothing else")
@@ -255,7 +261,7 @@ def _shard_problems(result, rank, world_size, shape):
         return f"my_reassemble called an all-gather {len(gathers)} times: one call for the whole tensor is enough"
     name, sent = gathers[0]
     if sent != shard_bytes:
-        return (f"my_reassemble's dist.{name} sent {sent} bytes from this rank; the padded shard is "
+        return (f"my_reassemble's all-gather sent {sent} bytes from this rank; the padded shard is "
                 f"{shard_bytes} bytes: gather the padded shards, then drop the padding")
     return problem
 
@@ -264,7 +270,7 @@ def check_shard_and_reassemble(shard_fn, reassemble_fn):
     """Notebook 08: `shard_fn(full, rank, world_size)` returns this rank's padded dim-0 shard, as
     FSDP2 stores it; `reassemble_fn(shard, rows)` (inside a rank) returns the full tensor from one
     all-gather of the padded shards, padding dropped. Checked on real ranks, for world sizes and
-    row counts that divide and that do not, with the collectives wrapped to count calls and bytes."""
+    row counts that divide and that do not, with every collective recorded (calls and bytes) below torch.distributed."""
     title = "my_shard + my_reassemble"
     problems = []
     for world_size, shape in _SHARD_CASES:

@@ -148,3 +148,27 @@ def test_format_table_lists_theory_and_every_rank():
            "held": [dict.fromkeys(sharding.CATEGORIES, 1), dict.fromkeys(sharding.CATEGORIES, 2)]}
     text = sharding.format_table([row])
     assert "theory" in text and "rank 1" in text and text.splitlines()[1].rstrip().endswith("16")
+
+
+def test_a_collective_held_in_a_variable_is_seen():
+    """As in the notebook: the learner's function calls the collective through a variable that
+    holds torch's own function (defined in the kernel, pickled by value), not through dist.<name>."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    reduce = dist.all_reduce
+
+    def reassemble(shard, rows):
+        out = torch.empty((shard.shape[0] * dist.get_world_size(),) + tuple(shard.shape[1:]))
+        gather(out, shard)
+        return out[:rows]
+
+    def reassemble_all_reduce(shard, rows):
+        n, r = dist.get_world_size(), dist.get_rank()
+        out = torch.zeros((shard.shape[0] * n,) + tuple(shard.shape[1:]))
+        out[r * shard.shape[0]:(r + 1) * shard.shape[0]] = shard
+        reduce(out)
+        return out[:rows]
+
+    verdict = sharding.check_shard_and_reassemble(sharding.solution_shard, reassemble)
+    assert verdict, repr(verdict)
+    problems = repr(sharding.check_shard_and_reassemble(sharding.solution_shard, reassemble_all_reduce))
+    assert "dist.all_reduce" in problems, problems
