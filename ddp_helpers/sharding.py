@@ -270,7 +270,8 @@ def check_shard_and_reassemble(shard_fn, reassemble_fn):
     """Notebook 08: `shard_fn(full, rank, world_size)` returns this rank's padded dim-0 shard, as
     FSDP2 stores it; `reassemble_fn(shard, rows)` (inside a rank) returns the full tensor from one
     all-gather of the padded shards, padding dropped. Checked on real ranks, for world sizes and
-    row counts that divide and that do not, with every collective recorded (calls and bytes) below torch.distributed."""
+    row counts that divide and that do not, with every collective recorded (calls and bytes)
+    below torch.distributed's Python functions."""
     title = "my_shard + my_reassemble"
     problems = []
     for world_size, shape in _SHARD_CASES:
