@@ -117,6 +117,7 @@ def main():
     count, problems = check_links()
     if problems:
         raise SystemExit("docs: internal link check failed:\n  " + "\n  ".join(problems))
+    (OUT / ".built-ok").write_text("docs/build.py finished: Sphinx without warnings, links checked\n")
     print(f"docs: built {count} pages into {OUT.relative_to(DOCS.parent)}/ in {time.monotonic() - start:.0f} s; "
           f"internal links and anchors checked")
 

@@ -14,7 +14,7 @@ project = "Hands-on distributed PyTorch"
 author = "the course's authors"
 copyright = "the course's authors"
 extensions = ["myst_nb"]
-exclude_patterns = ["_build", "_files", "_vendor", "_static_gen", "**.ipynb_checkpoints", "Thumbs.db", ".DS_Store"]
+exclude_patterns = ["_build", "_files", "_vendor", "_static_gen", "_readme.md", "**.ipynb_checkpoints", "Thumbs.db", ".DS_Store"]
 root_doc = "index"
 
 # The notebooks are never run here: the pages show the committed outputs (the ones CI re-produces).
@@ -27,6 +27,7 @@ suppress_warnings = []
 
 html_theme = "furo"
 html_title = "Hands-on distributed PyTorch"
+html_favicon = "favicon.svg"   # four ranks in a ring (browsers ask for one: without it, a 404 on every site)
 html_static_path = ["_static_gen"]
 html_show_sourcelink = False
 html_copy_source = False

@@ -11,7 +11,8 @@ the ones CI re-produces. What is copied into docs/ (all of it git-ignored):
   - the notebook's widget state is dropped, so no page loads widget JavaScript from the internet;
   - `# NBVAL_...` comment lines (test markers, not course content) leave the code shown.
 - docs/notebooks/glossary.md: notebooks/glossary.md.
-- docs/_files/...: files that the notebooks link to outside notebooks/ (e.g. ../ddp_helpers/train.py),
+- docs/_readme.md: README.md, which the landing page (index.md) includes, its links fixed alike.
+- docs/_files/...: files that the notebooks or the README link to outside notebooks/ (e.g. ../ddp_helpers/train.py),
   so the page links to a copy instead of a broken path.
 - docs/api.md: the API page, from ddp_helpers' docstrings (api_page.py).
 - Mermaid diagrams (```mermaid fences, which JupyterLab draws) become <pre class="mermaid"> that the
@@ -99,8 +100,9 @@ def strip_test_markers(nb):
             cell["source"] = "".join(kept)
 
 
-def copy_linked_files(text, source_dir=NOTEBOOKS):
-    """Markdown links to repository files that are not pages point to copies beside the site's pages."""
+def copy_linked_files(text, source_dir=NOTEBOOKS, to_docs="../"):
+    """Markdown links to repository files that are not pages point to copies under docs/_files/.
+    to_docs: the way from the page's folder to docs/."""
     def fix(match):
         target = match.group(2)
         if "://" in target or target.startswith(("mailto:", "/")):
@@ -117,7 +119,7 @@ def copy_linked_files(text, source_dir=NOTEBOOKS):
             new = str(Path(*rel.parts[1:]))
         else:
             dest = FILES / rel
-            new = "../_files/" + rel.as_posix()
+            new = to_docs + "_files/" + rel.as_posix()
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(path, dest)
         return match.group(1) + new + match.group(3)
@@ -139,6 +141,8 @@ def stage():
                 cell["source"] = mermaid_diagrams(copy_linked_files("".join(cell["source"])))
         (STAGED / path.name).write_text(json.dumps(nb, indent=1, ensure_ascii=False), encoding="utf-8")
         staged.append(path.name)
+    readme = copy_linked_files((ROOT / "README.md").read_text(encoding="utf-8"), source_dir=ROOT, to_docs="")
+    (DOCS / "_readme.md").write_text(mermaid_diagrams(readme), encoding="utf-8")
     glossary = NOTEBOOKS / "glossary.md"
     if glossary.is_file():
         text = mermaid_diagrams(copy_linked_files(glossary.read_text(encoding="utf-8")))
