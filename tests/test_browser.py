@@ -42,14 +42,23 @@ def seconds(s):
     return s * TIME_SCALE
 
 CHROMIUM = os.environ.get("DDP_HELPERS_CHROMIUM", "/usr/bin/chromium")
+
+
+def _cannot_run(reason):
+    """Skip, with the reason; in CI (CI=true), where .ci/run installs both, fail instead."""
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{reason}; CI must run them (.ci/run installs both)", pytrace=False)
+    pytest.skip(reason, allow_module_level=True)
+
+
 try:
     from playwright.sync_api import sync_playwright
 except ImportError:
-    pytest.skip("browser tests: the playwright package is missing (pip install -r requirements-docs.txt; "
-                "the browser is Debian's chromium, never `playwright install`)", allow_module_level=True)
+    _cannot_run("browser tests: the playwright package is missing (pip install -r requirements-docs.txt; "
+                "the browser is Debian's chromium, never `playwright install`)")
 if not os.path.exists(CHROMIUM):
-    pytest.skip(f"browser tests: no Chromium at {CHROMIUM} (Debian: apt-get install chromium "
-                f"fonts-noto-color-emoji; or set DDP_HELPERS_CHROMIUM)", allow_module_level=True)
+    _cannot_run(f"browser tests: no Chromium at {CHROMIUM} (Debian: apt-get install chromium "
+                f"fonts-noto-color-emoji; or set DDP_HELPERS_CHROMIUM)")
 
 import psutil  # noqa: E402  (JupyterLab's dependency; after the skips)
 
