@@ -210,7 +210,7 @@ class Notebook:
                 const prompt = cell.node.querySelector('.jp-InputPrompt');
                 const outputs = cell.model.outputs.toJSON().map(o => {
                     const data = o.data || {};
-                    return {type: o.output_type, ename: o.ename, evalue: o.evalue,
+                    return {type: o.output_type, name: o.name, ename: o.ename, evalue: o.evalue,
                             traceback: o.traceback, text: o.text || data['text/plain'] || '',
                             mimes: Object.keys(data), png: withData ? data['image/png'] : undefined};
                 });

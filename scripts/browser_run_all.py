@@ -1,0 +1,121 @@
+"""Run All of every notebook in JupyterLab, driven by Chromium, with screenshots (not part of CI).
+
+    .venv/bin/python scripts/browser_run_all.py                 # every numbered notebook
+    .venv/bin/python scripts/browser_run_all.py 03 06           # some of them, by number
+    .venv/bin/python scripts/browser_run_all.py --out /tmp/shots
+
+For each notebook, as a learner would: open it in JupyterLab, Run > Restart Kernel and Run All Cells,
+wait until the kernel is idle, then screenshot the page from top to bottom (NN_name-01.png, ...).
+report.md beside the pictures lists, per notebook, how long it took, error outputs, cells left
+unrun, stderr output, and the page's console errors. The pictures go to the git-ignored
+screenshots/ folder: look at them, keep them out of the repository.
+
+Needs what tests/test_browser.py needs (Debian's chromium, the playwright package); it uses that
+file's JupyterLab server and notebook driver. Set DDP_HELPERS_CIFAR10 for notebook 06.
+"""
+import argparse
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("numbers", nargs="*", help="notebook numbers (default: all), e.g. 03 06")
+    parser.add_argument("--out", default=str(ROOT / "screenshots"), help="folder for the pictures and report.md")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds a notebook may run")
+    parser.add_argument("--max-shots", type=int, default=40, help="pictures per notebook at most")
+    args = parser.parse_args()
+    try:
+        import test_browser as tb
+    except BaseException as err:  # pytest's skip, outside pytest: say why
+        raise SystemExit(f"cannot drive the browser: {err}")
+    from playwright.sync_api import sync_playwright
+
+    notebooks = sorted(p.name for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    if args.numbers:
+        notebooks = [n for n in notebooks if n[:2] in args.numbers]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = [f"# Run All in JupyterLab ({datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC)", ""]
+    lab = tb.Lab(Path(tempfile.mkdtemp(prefix="browser_run_all-")))
+    try:
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=tb.CHROMIUM, args=["--no-sandbox"])
+            for name in notebooks:
+                report += run_one(tb, lab, browser, name, out, args)
+                lab.shutdown_kernels()
+                (out / "report.md").write_text("\n".join(report) + "\n")
+            browser.close()
+    finally:
+        lab.stop()
+    print("\n".join(report))
+    print(f"\npictures and report.md in {out}")
+
+
+def run_one(tb, lab, browser, name, out, args):
+    print(f"{name} ...", flush=True)
+    console = []
+    nb = tb.Notebook(lab, browser, f"notebooks/{name}", "run-all-" + name[:2])
+    nb.page.on("console", lambda m: console.append(m.text) if m.type == "error" else None)
+    start = time.monotonic()
+    lines = [f"## {name}", ""]
+    try:
+        nb.restart_and_run_all()
+        state = nb.wait_idle(args.timeout, settle=3)
+    except AssertionError as err:
+        state = nb.state()
+        lines.append(f"- did not finish: {err}")
+    seconds = time.monotonic() - start
+    errors = tb._error_outputs(state)
+    unrun = [c["index"] for c in state["cells"] if c["count"] is None]
+    stderr = [(c["index"], tb._text(o)[:200]) for c in state["cells"] for o in c["outputs"]
+              if o["type"] == "stream" and "stderr" in str(o.get("name", "")) ]
+    shots = screenshots(nb.page, out, name[:-len(".ipynb")], args.max_shots)
+    lines += [f"- Run All took {seconds:.0f} s (restart included), {len(state['cells'])} code cells",
+              f"- error outputs: {errors or 'none'}",
+              f"- cells left unrun: {unrun or 'none'}",
+              f"- stderr outputs: {len(stderr)}" + "".join(f"\n  - cell {i}: {t!r}" for i, t in stderr[:5]),
+              f"- console errors: {console[:5] or 'none'}",
+              f"- pictures: {', '.join(s.name for s in shots)}", ""]
+    nb.close()
+    return lines
+
+
+def screenshots(page, out, stem, max_shots):
+    """The notebook from top to bottom, one viewport at a time (the notebook scrolls in its panel)."""
+    page.evaluate("""() => {   // the element that scrolls the notebook (it differs between JupyterLab versions)
+        const panel = window.jupyterapp.shell.currentWidget.node;
+        const all = [panel, ...panel.querySelectorAll('*')].filter(e => e.scrollHeight > e.clientHeight + 20
+            && ['auto', 'scroll'].includes(getComputedStyle(e).overflowY));
+        all.sort((a, b) => b.scrollHeight - a.scrollHeight);
+        document.querySelectorAll('[data-run-all-scroller]').forEach(e => e.removeAttribute('data-run-all-scroller'));
+        if (all.length) all[0].setAttribute('data-run-all-scroller', '1');
+    }""")
+    scroller = "[data-run-all-scroller]"
+    if not page.locator(scroller).count():
+        path = out / f"{stem}-01.png"
+        page.screenshot(path=str(path))
+        return [path]
+    page.evaluate(f"() => document.querySelector('{scroller}').scrollTop = 0")
+    height = page.evaluate(f"() => document.querySelector('{scroller}').scrollHeight")
+    view = page.evaluate(f"() => document.querySelector('{scroller}').clientHeight")
+    taken = []
+    for i in range(max_shots):
+        page.evaluate(f"(y) => document.querySelector('{scroller}').scrollTop = y", i * (view - 60))
+        page.wait_for_timeout(300)
+        path = out / f"{stem}-{i + 1:02d}.png"
+        page.screenshot(path=str(path))
+        taken.append(path)
+        if i * (view - 60) + view >= height:
+            break
+    return taken
+
+
+if __name__ == "__main__":
+    main()
