@@ -3,7 +3,8 @@
 The docstrings are plain text written for `help()` in a notebook, not reStructuredText, so they are
 turned into Markdown here: indented blocks become code, `name: text` lines become a list of
 parameters; everything else is Markdown already (backticks, "- " lists).
-A name listed below that the package no longer has fails the build (the page promises it).
+A name listed below that the package no longer has fails the build (the page promises it). A class
+listed without any of its methods gets all its public methods.
 """
 import dataclasses
 import importlib
@@ -43,6 +44,8 @@ def docstring_to_markdown(doc):
     if current:
         blocks.append(current)
     out = []
+    if blocks and blocks[0] == ["::"]:      # reStructuredText's literal block (IPython's magic_arguments)
+        return "```text\n" + (doc or "").split("::", 1)[1].strip() + "\n```"
     for block in blocks:
         indents = [len(line) - len(line.lstrip()) for line in block]
         if min(indents) >= 4:
@@ -85,6 +88,11 @@ def _config_table(cls):
     return "\n".join(rows)
 
 
+def public_methods(cls):
+    """The class's own public methods, in source order."""
+    return [n for n, v in vars(cls).items() if not n.startswith("_") and inspect.isfunction(v)]
+
+
 def member(module, name):
     obj = module
     for part in name.split("."):
@@ -98,7 +106,9 @@ def member(module, name):
 def document(module, name):
     obj = member(module, name)
     doc = inspect.getdoc(obj) if (obj.__doc__ or "").strip() else ""
-    body = docstring_to_markdown(doc) if doc else "*(no docstring)*"
+    if dataclasses.is_dataclass(obj) and doc.startswith(obj.__name__ + "("):
+        doc = ""     # the signature that dataclass writes when there is no docstring: the table says it
+    body = docstring_to_markdown(doc) if doc else ("" if dataclasses.is_dataclass(obj) else "*(no docstring)*")
     if inspect.isclass(obj):
         if dataclasses.is_dataclass(obj):
             head = f"{{py:class}} {name}(**settings)"
@@ -125,6 +135,10 @@ def api_markdown():
             parts.append(docstring_to_markdown(inspect.cleandoc(module.__doc__)))
         for name in names:
             parts.append(document(module, name))
+            obj = member(module, name)
+            if inspect.isclass(obj) and not dataclasses.is_dataclass(obj) and \
+                    not any(n.startswith(name + ".") for n in names):
+                parts += [document(module, f"{name}.{m}") for m in public_methods(obj)]
     return "\n\n".join(parts) + "\n"
 
 
