@@ -67,7 +67,7 @@ def probe_support(device="cpu", only=None, skip=()):
             continue
         try:
             call()
-            if device != "cpu":
+            if str(device).startswith("cuda"):
                 torch.cuda.synchronize()
             found[name] = "✓"
         except Exception as exc:  # the backend says no: that is the answer we want
