@@ -9,7 +9,7 @@ download is not reachable here):
 Without them every test here is skipped, with that reason. `.ci/run` installs both.
 
 JupyterLab runs on 127.0.0.1 with a random token, in a temporary folder that holds a copy of the
-repository's notebooks/ and examples/ (notebook 07 reads ../examples/), with its own settings; each
+repository's layout (notebooks read ../examples/ and ../benchmarks/), with its own settings; each
 test opens its notebook in a workspace of its own, and its kernels are shut down after it.
 Chromium is Debian's, launched with --no-sandbox (CI runs as root). Deadlines are generous
 (`seconds()`, DDP_HELPERS_TEST_TIME_SCALE): the machine is a busy 2-core one.
@@ -63,6 +63,7 @@ if not os.path.exists(CHROMIUM):
 import psutil  # noqa: E402  (JupyterLab's dependency; after the skips)
 
 ROOT = Path(REPO)
+COPY_SKIP = {"docs", "data", "build", "peers", "screenshots", "gpu-suite", "__pycache__"}  # git-ignored or large
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 STOPPED_RANKS = re.compile(r"\branks?\b.*\bstopped\b|\bstopped\b.*\branks?\b", re.I)
 
@@ -93,10 +94,16 @@ class Lab:
     def __init__(self, home):
         self.home = home
         self.root = home / "course"
-        shutil.copytree(ROOT / "notebooks", self.root / "notebooks",
-                        ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
-        if (ROOT / "examples").is_dir():
-            shutil.copytree(ROOT / "examples", self.root / "examples")
+        # the repository's layout: notebooks read ../examples/ and ../benchmarks/
+        skip = shutil.ignore_patterns(".*", "__pycache__", "*.egg-info")
+        self.root.mkdir()
+        for entry in ROOT.iterdir():
+            if entry.name.startswith(".") or entry.name in COPY_SKIP or entry.name.endswith(".egg-info"):
+                continue
+            if entry.is_dir():
+                shutil.copytree(entry, self.root / entry.name, ignore=skip)
+            else:
+                shutil.copy2(entry, self.root / entry.name)
         settings = home / "settings"
         # no news fetched from the internet; every cell in the page (no virtual scrolling)
         _write_json(settings / "@jupyterlab/apputils-extension/notification.jupyterlab-settings",
