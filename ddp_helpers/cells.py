@@ -1,7 +1,18 @@
-"""Running notebook cells on ranks, kernel side: which notebook variables a cell
-needs (they are sent along with cloudpickle), and how per-rank values are shown.
-The worker side (executing the cell) is `worker.exec_cell`."""
+"""What travels from the notebook to the ranks, and how their values come back.
+
+- `dumps`: cloudpickle, keeping code's file names, so a rank's traceback shows notebook lines;
+  `dumps_with_sources` also returns the source of each notebook cell the pickled code comes
+  from (only those: not the whole notebook's).
+- `globals_to_send`: which notebook variables a `%%ddp` cell needs (sent along with it).
+- `PerRank`: one value per rank, shown as `[rank N] value` lines.
+
+The worker side (executing a cell) is `worker.exec_cell`.
+"""
 import builtins
+import io
+import linecache
+import os
+import pickle
 import sys
 import types
 
@@ -58,6 +69,40 @@ def globals_to_send(source, user_ns, warn=None):
     return sent
 
 
-
 def _warn(message):
     print(message, file=sys.stderr)
+
+
+class _Pickler(cloudpickle.Pickler):
+    """cloudpickle, except that code keeps its file name (cloudpickle 3 writes
+    "<dynamic-code>"), so a worker's traceback can show the notebook line it points at.
+    `code_files`: the file names of the code it pickled by value."""
+
+    def __init__(self, file, **options):
+        super().__init__(file, **options)
+        self.code_files = set()
+
+    def reducer_override(self, obj):
+        if isinstance(obj, types.CodeType):
+            self.code_files.add(obj.co_filename)
+            reduce_code = getattr(cloudpickle.cloudpickle, "_code_reduce", None)
+            if reduce_code is not None:
+                constructor, fields = reduce_code(obj)
+                return constructor, tuple(obj.co_filename if f == "<dynamic-code>" else f for f in fields)
+        return super().reducer_override(obj)
+
+
+def dumps(obj):
+    return dumps_with_sources(obj)[0]
+
+
+def dumps_with_sources(obj):
+    """(pickled obj, {file name: linecache entry} of the notebook cells its code was written in).
+    A cell's code has a file name that exists only in linecache."""
+    buffer = io.BytesIO()
+    pickler = _Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL)
+    pickler.dump(obj)
+    sources = {name: linecache.cache[name] for name in pickler.code_files
+               if name in linecache.cache and len(linecache.cache[name]) == 4 and not os.path.exists(name)}
+    return buffer.getvalue(), sources
+

@@ -5,54 +5,35 @@
 
 How it works, and why:
 - Workers are started by `torch.multiprocessing.start_processes` with the
-  *forkserver* start method. The forkserver is a fresh Python process (never a
-  fork of the notebook kernel, which may have touched CUDA) that imports torch
-  once; every launch then forks cheap copies of it. Spawn would import torch
-  anew in every worker, which takes seconds.
-- `fn` may be defined in the notebook: it travels by value, with cloudpickle.
+  *forkserver* start method (see `supervisor`, shared with the warm pool): cheap
+  copies of a fresh process that imported torch once, never forks of the kernel.
+- `fn` may be defined in the notebook: it travels by value, with cloudpickle, with
+  the source of the cells it was written in (for tracebacks).
 - The launcher hosts the rendezvous store (a `TCPStore` on 127.0.0.1, on a port
   the OS picks), as torchrun's agent does, and gives each worker the
   environment torchrun would give it. No fixed port, so re-runs never clash.
 - Each rank's stdout and stderr come back through a pipe and are printed
   line by line as `[rank N] ...`; a full log per rank stays in the run folder.
-- Errors, crashes, hangs and the Interrupt button all end every worker and
-  raise in the calling cell (`WorkerError`, `WorkerTimeout`, `KeyboardInterrupt`).
+- Errors, crashes, hangs and the Interrupt button all end every worker (and what
+  it started) and raise in the calling cell (`WorkerError`, `WorkerTimeout`,
+  `KeyboardInterrupt`).
 """
-import io
-import itertools
-import linecache
-import multiprocessing
-import multiprocessing.connection
 import os
 import pickle
-import shutil
-import signal
-import socket
-import stat
-import sys
-import tempfile
-import threading
 import time
-import warnings
-import types
-from datetime import timedelta
 
-import cloudpickle
 import torch.distributed as dist
-import torch.multiprocessing
 
 from . import machine
-from .worker import WorkerJob, _process_alive, error_file, result_file, run_worker, stderr_pipe, stdout_pipe
+from .cells import dumps, dumps_with_sources
+from .supervisor import Supervisor, describe_exit, interrupted
+from .supervisor import Rendezvous, loopback_interface, worker_env  # noqa: F401 (used from here elsewhere)
+from .worker import WorkerJob, error_file, no_group_file, result_file, run_worker
 
 BACKENDS = ("gloo", "nccl", "auto")
 MAX_WORLD_SIZE = 64          # one machine; past this use torchrun across nodes
-STOP_GRACE_S = 2.0           # SIGTERM, then SIGKILL after this long
-KEPT_RUN_DIRS = 20           # logs of the most recent finished launches kept on disk
 MAX_TIMEOUT_S = 30 * 24 * 3600   # 30 days; far larger ones overflow torch's timeouts in the workers
-_run_counter = itertools.count()
-_run_dirs_lock = threading.Lock()
-_live_run_dirs = set()       # run folders of this process still in use (a launch running, a pool up)
-_fallback_roots = {}         # (temp dir, uid) -> a private root, when the usual one cannot be trusted
+INTERRUPTED = "interrupted; the ranks were stopped (nothing is left running)."
 
 
 class WorkerError(RuntimeError):
@@ -97,21 +78,17 @@ def launch(fn, world_size=2, backend="gloo", args=(), kwargs=None, timeout=120,
     world_size = check_world_size(world_size)
     backend = resolve_backend(backend, world_size)
     timeout = check_timeout(timeout)
-    payload = pickle_job(fn, args, kwargs)
+    payload, cell_sources = pickle_job(fn, args, kwargs)
     extra_env = check_env(env)
-
-    run_dir = new_run_dir()
     try:
-        with Rendezvous() as store:
-            job = WorkerJob(
-                payload=payload, world_size=world_size, backend=backend, init=init,
-                pg_timeout_s=timeout, run_dir=run_dir,
-                env=worker_env(world_size, store.port, extra_env), launcher_pid=os.getpid(),
-                cell_sources=notebook_cell_sources(),
-            )
-            return _run(job, timeout, quiet)
-    finally:
-        release_run_dir(run_dir)
+        with Supervisor(world_size, quiet, extra_env) as ranks:
+            job = WorkerJob(payload=payload, world_size=world_size, backend=backend, init=init,
+                            pg_timeout_s=timeout, run_dir=ranks.run_dir, env=ranks.env,
+                            launcher_pid=os.getpid(), cell_sources=cell_sources)
+            ranks.start(run_worker, (job,))
+            return _outcome(ranks, timeout, quiet)
+    except KeyboardInterrupt:
+        raise interrupted(INTERRUPTED) from None
 
 
 # ---------------------------------------------------------------- input checks
@@ -140,7 +117,8 @@ def resolve_backend(backend, world_size):
 
 
 def pickle_job(fn, args, kwargs):
-    """cloudpickle fn and its arguments now, so a bad one fails before any process starts."""
+    """cloudpickle fn and its arguments now, so a bad one fails before any process starts.
+    Returns the bytes and the sources of the notebook cells their code comes from."""
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
     if not isinstance(args, (tuple, list)):
@@ -159,25 +137,7 @@ def pickle_job(fn, args, kwargs):
                 "worker needs is pickled (with cloudpickle); open files, locks, sockets, "
                 "generators and live process groups cannot be. Create them inside the function."
             ) from None
-    return dumps((fn, tuple(args), kwargs or {}))
-
-
-class _Pickler(cloudpickle.Pickler):
-    """cloudpickle, except that code keeps its file name (cloudpickle 3 writes
-    "<dynamic-code>"), so a worker's traceback can show the notebook line it points at."""
-
-    def reducer_override(self, obj):
-        reduce_code = getattr(cloudpickle.cloudpickle, "_code_reduce", None)
-        if isinstance(obj, types.CodeType) and reduce_code is not None:
-            constructor, fields = reduce_code(obj)
-            return constructor, tuple(obj.co_filename if f == "<dynamic-code>" else f for f in fields)
-        return super().reducer_override(obj)
-
-
-def dumps(obj):
-    buffer = io.BytesIO()
-    _Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
-    return buffer.getvalue()
+    return dumps_with_sources((fn, tuple(args), kwargs or {}))
 
 
 def check_timeout(timeout):
@@ -196,281 +156,54 @@ def check_env(env):
     return env
 
 
-# ------------------------------------------------------ environment and store
-def loopback_interface():
-    """Name of the loopback network interface ('lo' on Linux, 'lo0' on macOS)."""
-    names = [name for _, name in socket.if_nameindex()]
-    return next((n for n in ("lo", "lo0") if n in names), "lo")
+# ------------------------------------------------------------- what happened
+def _outcome(ranks, timeout, quiet):
+    """Wait for the ranks; return their results, or raise what went wrong."""
+    run_dir, n = ranks.run_dir, ranks.world_size
+
+    def finished(rank):
+        return os.path.exists(result_file(run_dir, rank))
+
+    def left_early():
+        """init=False: a rank that returned without joining the process group, while the others
+        began a rendezvous (keys in the store): they wait for it forever."""
+        early = [r for r, p in enumerate(ranks.processes)
+                 if p.exitcode == 0 and os.path.exists(no_group_file(run_dir, r))]
+        if early and len(early) < n and any(p.exitcode is None for p in ranks.processes):
+            if ranks.store.store.num_keys() > 0:
+                return early
+        return None
+
+    outcome, detail = ranks.wait(time.monotonic() + timeout, finished=finished, check=left_early)
+    if outcome == "timeout":
+        ranks.dump_stacks(detail)
+        ranks.stop()
+        done = [r for r in range(n) if r not in detail]
+        where = "in the logs" if quiet else "printed above"
+        raise WorkerTimeout(
+            f"timed out after {timeout:g} s: rank(s) {detail} had not finished "
+            f"(finished: {done or 'none'}). A rank waiting in a collective for a rank that "
+            f"never calls it waits forever; their stacks are {where}. Logs: {run_dir}",
+            unfinished_ranks=detail, log_dir=run_dir)
+    if outcome == "failed":
+        ranks.stop()   # the others; what they printed last comes first
+        raise _failure_error(run_dir, ranks.processes, detail)
+    return [_read_result(run_dir, r) for r in range(n)]
 
 
-def worker_env(world_size, master_port, extra_env=None):
-    """The environment each worker gets: the kernel's own, plus what torchrun sets.
-
-    RANK, LOCAL_RANK, GROUP_RANK and ROLE_RANK differ per rank; the worker adds them.
-    """
-    env = dict(os.environ)
-    threads = max(1, machine.cpu_count() // world_size)
-    env.setdefault("OMP_NUM_THREADS", str(threads))  # torchrun would use 1; share the cores instead
-    lo = loopback_interface()
-    env.setdefault("GLOO_SOCKET_IFNAME", lo)   # Gloo and NCCL talk over loopback only
-    env.setdefault("NCCL_SOCKET_IFNAME", lo)
-    env.update({
-        "WORLD_SIZE": str(world_size),
-        "LOCAL_WORLD_SIZE": str(world_size),
-        "ROLE_WORLD_SIZE": str(world_size),
-        "GROUP_WORLD_SIZE": "1",
-        "ROLE_NAME": "default",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(master_port),
-        # Like torchrun: workers connect to the store the launcher hosts instead of rank 0 creating one.
-        "TORCHELASTIC_USE_AGENT_STORE": "True",
-        "TORCHELASTIC_RESTART_COUNT": "0",
-        "TORCHELASTIC_MAX_RESTARTS": "0",
-        "TORCHELASTIC_RUN_ID": "ddp_helpers",
-    })
-    env.update(extra_env or {})
-    return env
-
-
-class Rendezvous:
-    """A TCPStore served by this process on 127.0.0.1, on a port the OS picks.
-
-    We bind the socket ourselves and hand it to the store: TCPStore alone would
-    listen on every interface, and asking for a free port first, then binding it
-    later, leaves a window in which another program can take it.
-    """
-
-    def __enter__(self):
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        try:
-            self._sock.bind(("127.0.0.1", 0))
-            self._sock.listen(128)
-            self.port = self._sock.getsockname()[1]
-            self.store = dist.TCPStore("127.0.0.1", self.port, is_master=True, wait_for_workers=False,
-                                       master_listen_fd=self._sock.fileno(), timeout=timedelta(seconds=30))
-        except BaseException:
-            self._sock.close()
-            raise
-        self._sock.detach()  # the store owns the socket now and closes it when deleted
-        return self
-
-    def __exit__(self, *exc):
-        del self.store  # stops the server and closes its socket: the port is free again
-        return False
-
-
-def notebook_cell_sources():
-    """Sources of notebook cells (files that exist only in linecache), so worker
-    tracebacks can show the lines of code a learner wrote in a cell."""
-    return {name: entry for name, entry in list(linecache.cache.items())
-            if len(entry) == 4 and ("ipykernel_" in name or name.startswith("<ipython-input"))
-            and not os.path.exists(name)}
-
-
-# ------------------------------------------------------------- run and watch
-def forkserver():
-    ctx = multiprocessing.get_context("forkserver")
-    # Only takes effect when the forkserver first starts: it imports these once for all workers.
-    # torch._dynamo: the first optimizer or DDP of a process imports it (over a second, in every rank);
-    # torchvision's transforms: the reference trainer's. A name that fails to import is skipped.
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "torchvision.transforms.v2",
-                                "cloudpickle", "ddp_helpers.worker", "ddp_helpers.pool"])
-    return "forkserver"
-
-
-def new_run_dir():
-    """A new folder for one launch (or one pool's workers), in this user's private scratch root.
-
-    Its name records the process that made it (`run-HHMMSS-<pid>-<n>-...`). It counts as live
-    until `release_run_dir`; old folders are pruned (all but the newest KEPT_RUN_DIRS), but only
-    released ones of this process and those of processes that are gone: never a run still going
-    on here or in another notebook kernel.
-    """
-    with _run_dirs_lock:
-        root = run_root()
-        _prune(root)
-        pid = os.getpid()
-        path = tempfile.mkdtemp(prefix=f"run-{time.strftime('%H%M%S')}-{pid}-{next(_run_counter)}-", dir=root)
-        _live_run_dirs.add(path)
-        return path
-
-
-def release_run_dir(path):
-    """The run in `path` is over: its folder (logs) may be pruned by later launches."""
-    with _run_dirs_lock:
-        _live_run_dirs.discard(path)
-
-
-def run_root():
-    """`$TMPDIR/ddp_helpers-<uid>`, made with mode 0700, if it is a real folder of this user that
-    nobody else can write to; otherwise (planted by another user, a symlink, ...) a private
-    folder made for this process, with a warning. Result files in run folders are unpickled:
-    nobody else may be able to put or rename anything there."""
-    tmp, uid = tempfile.gettempdir(), os.getuid()
-    root = os.path.join(tmp, f"ddp_helpers-{uid}")
-    try:
-        os.mkdir(root, 0o700)
-    except FileExistsError:
-        pass
-    problem = _untrusted_root(root, uid)
-    if problem is None:
-        return root
-    fallback = _fallback_roots.get((tmp, uid))
-    if fallback is None or _untrusted_root(fallback, uid) is not None:
-        fallback = tempfile.mkdtemp(prefix=f"ddp_helpers-{uid}-", dir=tmp)  # new, 0700, ours
-        _fallback_roots[(tmp, uid)] = fallback
-        warnings.warn(f"not using {root}: {problem}; run folders go to {fallback} instead", stacklevel=3)
-    return fallback
-
-
-def _untrusted_root(path, uid):
-    """Why `path` cannot hold run folders, or None when it can (then it is made mode 0700)."""
-    try:
-        st = os.lstat(path)
-    except OSError as exc:
-        return f"cannot inspect it ({exc})"
-    if stat.S_ISLNK(st.st_mode):
-        return "it is a symbolic link"
-    if not stat.S_ISDIR(st.st_mode):
-        return "it is not a folder"
-    if st.st_uid != uid:
-        return f"it belongs to user id {st.st_uid}, not {uid}"
-    if st.st_mode & 0o022:
-        return f"other users can write to it (mode {stat.S_IMODE(st.st_mode):o})"
-    if stat.S_IMODE(st.st_mode) != 0o700:
-        try:
-            os.chmod(path, 0o700, follow_symlinks=False)  # e.g. 0755 from older versions: logs stay private
-        except (OSError, NotImplementedError):
-            pass
-    return None
-
-
-def _run_dir_owner(name):
-    """PID recorded in a run folder's name (`run-HHMMSS-<pid>-<n>-...`), or None for other names."""
-    parts = name.split("-")
-    if len(parts) >= 5 and parts[0] == "run" and parts[2].isdigit() and parts[3].isdigit():
-        return int(parts[2])
-    return None
-
-
-def _prune(root):
-    """Delete all but the newest KEPT_RUN_DIRS finished run folders (caller holds _run_dirs_lock).
-    Other processes prune the same root at the same time: anything may vanish meanwhile."""
-    me = os.getpid()
-    try:
-        names = os.listdir(root)
-    except FileNotFoundError:
-        return
-    finished = []
-    for name in names:
-        path = os.path.join(root, name)
-        owner = _run_dir_owner(name)
-        if owner is None:
-            if not name.startswith("run-"):
-                continue  # not ours to delete
-        elif owner == me:
-            if path in _live_run_dirs:
-                continue
-        elif _process_alive(owner):
-            continue  # another process's run: it may still be going on, and it prunes its own
-        try:
-            finished.append((os.lstat(path).st_mtime, path))
-        except FileNotFoundError:
-            continue
-    finished.sort()
-    for _, stale in finished[:-KEPT_RUN_DIRS]:
-        shutil.rmtree(stale, ignore_errors=True)
-
-
-def _run(job, timeout, quiet):
-    n = job.world_size
-    output = OutputPump(job.run_dir, n, quiet)
-    context = None
-    try:
-        context = torch.multiprocessing.start_processes(
-            run_worker, args=(job,), nprocs=n, join=False, start_method=forkserver())
-        processes = context.processes
-        failed_first = _watch(processes, output, deadline=time.monotonic() + timeout)
-        if failed_first is None and any(p.exitcode is None for p in processes):
-            unfinished = [r for r, p in enumerate(processes) if p.exitcode is None]
-            dump_stacks(processes, unfinished, output)
-            stop_processes(processes, output)
-            done = [r for r in range(n) if r not in unfinished]
-            where = "in the logs" if quiet else "printed above"
-            raise WorkerTimeout(
-                f"timed out after {timeout:g} s: rank(s) {unfinished} had not finished "
-                f"(finished: {done or 'none'}). A rank waiting in a collective for a rank that "
-                f"never calls it waits forever; their stacks are {where}. Logs: {job.run_dir}",
-                unfinished_ranks=unfinished, log_dir=job.run_dir)
-        stop_processes(processes, output)  # the rest, after a failure
-        if failed_first is not None:
-            raise _failure_error(job.run_dir, processes, failed_first)
-        silent = [r for r in range(n) if not os.path.exists(result_file(job.run_dir, r))]
-        if silent:  # exit code 0 but no value: sys.exit(0) or os._exit(0) inside fn
-            raise WorkerError(f"rank {silent[0]} exited with code 0 before returning a value "
-                              f"(sys.exit or os._exit inside the function?). Logs: {job.run_dir}",
-                              rank=silent[0], log_dir=job.run_dir)
-        return [_read_result(job.run_dir, r) for r in range(n)]
-    finally:
-        if context is not None:
-            stop_processes(context.processes, output)  # KeyboardInterrupt lands here too
-        output.close()
-        remove_scratch(job.run_dir, n)
-
-
-def _watch(processes, output, deadline):
-    """Pump output until all ranks exit, one fails (return its rank), or the deadline passes."""
-    while True:
-        running = [p for p in processes if p.exitcode is None]
-        for rank, p in enumerate(processes):
-            if p.exitcode not in (None, 0):
-                return rank
-        if not running:
-            return None
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return None
-        ready = multiprocessing.connection.wait(
-            output.fds() + [p.sentinel for p in running], timeout=min(left, 1.0))
-        output.read(ready)
-
-
-def stop_processes(processes, output):
-    """SIGTERM every live worker, SIGKILL what is left after STOP_GRACE_S, reap all."""
-    for p in processes:
-        if p.exitcode is None:
-            p.terminate()
-    deadline = time.monotonic() + STOP_GRACE_S
-    while any(p.exitcode is None for p in processes) and time.monotonic() < deadline:
-        live = [p.sentinel for p in processes if p.exitcode is None]
-        output.read(multiprocessing.connection.wait(output.fds() + live, timeout=0.05))
-    for p in processes:
-        if p.exitcode is None:
-            p.kill()
-        p.join()
-    output.read(output.fds())  # whatever the workers wrote last
-
-
-def dump_stacks(processes, ranks, output, wait_s=0.5):
-    """Ask the stuck ranks where they are (faulthandler on SIGUSR1) and print it."""
-    for r in ranks:
-        try:
-            os.kill(processes[r].pid, signal.SIGUSR1)
-        except ProcessLookupError:
-            pass
-    end = time.monotonic() + wait_s
-    while time.monotonic() < end:
-        output.read(multiprocessing.connection.wait(output.fds(), timeout=0.05))
-
-
-def _failure_error(run_dir, processes, first):
-    failures = {r: _describe_exit(run_dir, r, p.exitcode) for r, p in enumerate(processes)
-                if p.exitcode not in (0, None)}
+def _failure_error(run_dir, processes, failed):
+    """The error naming the rank that failed first. Ranks that crashed or left early (no Python
+    exception) come before ranks that raised: when one rank dies in a collective, its peers
+    raise "Connection closed by peer" a moment later."""
+    records = {r: _read_error(run_dir, r) for r in range(len(processes))}
+    first = min(failed, key=lambda r: (records[r] is not None, r))
+    failures = {r: _describe_exit(run_dir, r, p.exitcode, records[r]) for r, p in enumerate(processes)
+                if r != first and p.exitcode not in (0, None)}
+    failures[first] = _describe_exit(run_dir, first, processes[first].exitcode, records[first])
     others = sorted(r for r in failures if r != first)
     note = f"other ranks then stopped: {others}" if others else ""
-    record = _read_error(run_dir, first)
-    if record:
-        return error_from_record(first, record, run_dir, note, failures)
+    if records[first]:
+        return error_from_record(first, records[first], run_dir, note, failures)
     tail = f"\n({note})" if note else ""
     return WorkerError(f"rank {first} {failures[first]}. Full logs: {run_dir}{tail}",
                        rank=first, log_dir=run_dir, failures=failures)
@@ -486,19 +219,14 @@ def error_from_record(rank, record, run_dir, note="", failures=None):
                        remote_traceback=record["traceback"], log_dir=run_dir, failures=failures)
 
 
-def describe_exit(exitcode):
-    """'was killed by signal SIGSEGV', 'exited with code 3 ...' for a worker's exit code."""
-    if exitcode < 0:
-        name = signal.Signals(-exitcode).name
-        hint = " (often the out-of-memory killer, or the launcher stopping it)" if name == "SIGKILL" else ""
-        return f"was killed by signal {name}{hint}"
-    return f"exited with code {exitcode} without a Python exception"
-
-
-def _describe_exit(run_dir, rank, exitcode):
-    record = _read_error(run_dir, rank)
+def _describe_exit(run_dir, rank, exitcode, record):
     if record:
         return f"raised {record['type']}: {record['message']}"
+    if exitcode == 0 and os.path.exists(no_group_file(run_dir, rank)):
+        return ("returned without joining the process group, while the other ranks waited for it in "
+                "init_process_group (with init=False every rank must call it)")
+    if exitcode == 0:
+        return "exited with code 0 before returning a value (sys.exit or os._exit inside the function?)"
     return describe_exit(exitcode)
 
 
@@ -513,82 +241,3 @@ def _read_error(run_dir, rank):
 def _read_result(run_dir, rank):
     with open(result_file(run_dir, rank), "rb") as f:
         return pickle.load(f)
-
-
-def remove_scratch(run_dir, n):
-    """Remove pipes and result files; keep the logs."""
-    for r in range(n):
-        for path in (stdout_pipe(run_dir, r), stderr_pipe(run_dir, r),
-                     result_file(run_dir, r), error_file(run_dir, r)):
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-
-
-class OutputPump:
-    """Reads each rank's stdout/stderr pipe and prints whole lines as `[rank N] ...`.
-
-    Named pipes (FIFOs) in the run folder: the workers open them by name, so no
-    file descriptor has to travel through the forkserver. Partial lines wait
-    for their end, so lines of different ranks never mix.
-    """
-
-    def __init__(self, run_dir, world_size, quiet):
-        self.quiet = quiet
-        self.streams = {}   # fd -> (rank, destination name, partial line bytes)
-        self.logs = {}
-        for rank in range(world_size):
-            self.logs[rank] = open(os.path.join(run_dir, f"rank{rank}.log"), "ab")
-            for path, dest in ((stdout_pipe(run_dir, rank), "stdout"), (stderr_pipe(run_dir, rank), "stderr")):
-                os.mkfifo(path, 0o600)
-                fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-                self.streams[fd] = [rank, dest, b""]
-
-    def fds(self):
-        return list(self.streams)
-
-    def read(self, ready):
-        """Read what is waiting on the given fds; return the number of bytes read."""
-        total = 0
-        for fd in ready:
-            if fd not in self.streams:
-                continue
-            try:
-                data = os.read(fd, 65536)
-            except BlockingIOError:
-                continue
-            total += len(data)
-            stream = self.streams[fd]
-            if not data:  # the worker closed its end (it exited)
-                if stream[2]:
-                    self._emit(stream[0], stream[1], stream[2])
-                os.close(fd)
-                del self.streams[fd]
-                continue
-            *lines, stream[2] = (stream[2] + data).split(b"\n")
-            for line in lines:
-                self._emit(stream[0], stream[1], line)
-        return total
-
-    def drain(self):
-        """Print everything the workers have written so far."""
-        while self.read(self.fds()):
-            pass
-
-    def _emit(self, rank, dest, line):
-        self.logs[rank].write(line + b"\n")
-        self.logs[rank].flush()
-        if not self.quiet:
-            out = sys.stdout if dest == "stdout" else sys.stderr
-            out.write(f"[rank {rank}] {line.decode('utf-8', 'replace')}\n")
-            out.flush()
-
-    def close(self):
-        for fd, (rank, dest, partial) in self.streams.items():
-            if partial:
-                self._emit(rank, dest, partial)
-            os.close(fd)
-        self.streams.clear()
-        for log in self.logs.values():
-            log.close()

@@ -24,32 +24,15 @@ their variables from cell to cell:
     %ddp pull loss              # each rank's value of a variable
     %ddp stop                   # end the ranks
 """
-import argparse
-import shlex
-
 from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from .cells import PerRank, globals_to_send
 from .launcher import launch
 from .pool import Pool
 from .worker import run_cell
 
-
-def _parser(prog, with_timeout):
-    parser = argparse.ArgumentParser(prog=prog, add_help=False, exit_on_error=False)
-    parser.add_argument("-n", "--nprocs", type=int, default=None, help="number of ranks (default 2)")
-    parser.add_argument("-b", "--backend", default=None, help="gloo, nccl or auto (default gloo)")
-    if with_timeout:
-        parser.add_argument("-t", "--timeout", type=float, default=120, help="seconds before the ranks are stopped")
-        parser.add_argument("-o", "--out", default=None, help="also store the per-rank values in this variable")
-    return parser
-
-
-def _parse(parser, line):
-    try:
-        return parser.parse_args(shlex.split(line))
-    except (argparse.ArgumentError, SystemExit) as err:
-        raise ValueError(f"{parser.prog}: cannot read options {line!r}: {err}") from None
+LINE_COMMANDS = ("start", "stop", "status", "push", "pull")
 
 
 @magics_class
@@ -58,12 +41,22 @@ class DDPMagics(Magics):
     _cells_run = 0
 
     @line_cell_magic
+    @magic_arguments()
+    @argument("-n", "--nprocs", type=int, default=None, help="number of ranks (default 2)")
+    @argument("-b", "--backend", default=None, help="gloo, nccl or auto (default gloo)")
+    @argument("-t", "--timeout", type=float, default=120, help="%%%%ddp: seconds before the ranks are stopped")
+    @argument("-o", "--out", default=None, help="%%%%ddp: also keep the per-rank values in this variable")
+    @argument("command", nargs="*",
+              help="%%ddp only: start, stop, status, push NAME [NAME ...] or pull NAME")
     def ddp(self, line, cell=None):
-        """%%ddp [-n N] [-b BACKEND] [-t SECONDS]: run this cell on every rank.
+        """%%ddp [-n N] [-b BACKEND] [-t SECONDS] [-o NAME]: run this cell on every rank.
         %ddp start|stop|status|push NAMES|pull NAME: manage a warm pool of ranks."""
+        opts = parse_argstring(self.ddp, line)
         if cell is None:
-            return self._line(line)
-        opts = _parse(_parser("%%ddp", with_timeout=True), line)
+            return self._line(opts)
+        if opts.command:
+            raise ValueError(f"%%ddp takes options only, got {' '.join(opts.command)!r}: "
+                             "start, stop, status, push and pull go with %ddp (one %)")
         DDPMagics._cells_run += 1
         filename = f"<ddp-cell-{DDPMagics._cells_run}>"
         pool = DDPMagics.pool
@@ -81,20 +74,20 @@ class DDPMagics(Magics):
             self.shell.user_ns[opts.out] = values
         return values
 
-    def _line(self, line):
-        command, _, rest = line.strip().partition(" ")
+    def _line(self, opts):
+        command, names = (opts.command[0], opts.command[1:]) if opts.command else ("", [])
+        if command not in LINE_COMMANDS:
+            raise ValueError(f"unknown %ddp command {command!r}: use start, stop, status, push or pull "
+                             "(and %%ddp, with two %, to run a cell)")
         if command == "start":
-            opts = _parse(_parser("%ddp start", with_timeout=False), rest)
             if DDPMagics.pool is not None:
                 DDPMagics.pool.stop()
+                DDPMagics.pool = None
             DDPMagics.pool = Pool(world_size=opts.nprocs or 2, backend=opts.backend or "gloo")
             print(f"ddp pool: {DDPMagics.pool.world_size} ranks ready ({DDPMagics.pool.backend}). "
                   "%%ddp cells now run on them; `%ddp stop` ends them.")
             return None
         pool = DDPMagics.pool
-        if command not in ("stop", "status", "push", "pull"):
-            raise ValueError(f"unknown %ddp command {command!r}: use start, stop, status, push or pull "
-                             "(and %%ddp, with two %, to run a cell)")
         if pool is None:
             raise RuntimeError("no pool is running: `%ddp start -n 4` starts one")
         if command == "stop":
@@ -106,13 +99,14 @@ class DDPMagics(Magics):
                 memory = f"{row['memory_mib']:.0f} MiB" if row["memory_mib"] else "-"
                 print(f"rank {row['rank']}: pid {row['pid']}, {row['state']}, {memory}")
         elif command == "push":
-            names = rest.split()
             missing = [n for n in names if n not in self.shell.user_ns]
             if not names or missing:
                 raise NameError(f"%ddp push NAME [NAME ...]: not defined in the notebook: {missing or 'no names given'}")
             pool.push(**{n: self.shell.user_ns[n] for n in names})
         else:
-            return pool.pull(rest.strip())
+            if len(names) != 1:
+                raise ValueError(f"%ddp pull NAME: one variable name, got {names}")
+            return pool.pull(names[0])
         return None
 
 

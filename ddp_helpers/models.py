@@ -108,10 +108,3 @@ def build_model(name, width=64, num_classes=10, whiten=False, identity_init=Fals
 
 def count_parameters(model):
     return sum(p.numel() for p in model.parameters())
-
-
-@torch.no_grad()
-def same_parameters(a, b):
-    """True when two models hold exactly the same parameters and buffers."""
-    sa, sb = a.state_dict(), b.state_dict()
-    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)

@@ -29,6 +29,8 @@ import sys
 import tempfile
 import time
 
+import psutil
+
 PRIVATE_PORT = 29400  # inside a fresh network namespace, nothing else can hold it
 
 
@@ -142,26 +144,23 @@ def end_all(shell, grace_s=2.0):
     """End the shell, its agents and all their workers, and wait until they are gone.
 
     torchrun starts each worker in a session of its own, so signalling our session would
-    miss them: we follow the process tree down from the shell instead. First SIGTERM to
-    all (an agent then stops its workers itself); after `grace_s`, whatever is left is
+    miss them: we follow the process tree down from the shell instead (psutil). First SIGTERM
+    to all (an agent then stops its workers itself); after `grace_s`, whatever is left is
     frozen with SIGSTOP (a stopped agent cannot start new workers) and killed.
     """
-    if not os.path.isdir("/proc"):  # no process tree to follow (macOS): our session only
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            _signal([shell.pid], sig, group=True)
-            try:
-                return shell.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                continue
+    try:
+        known = {psutil.Process(shell.pid)}
+    except psutil.NoSuchProcess:
+        shell.wait()
         return
-    known = {shell.pid} | descendants({shell.pid})
+    known |= descendants(known)
     _signal(known, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline and any(map(_alive, known)):
         known |= descendants(known)
         time.sleep(0.05)
     while True:  # freeze what is left, and what it started meanwhile
-        left = {pid for pid in known if _alive(pid)}
+        left = {p for p in known if _alive(p)}
         _signal(left, signal.SIGSTOP)
         new = descendants(left) - known
         if not new:
@@ -169,39 +168,33 @@ def end_all(shell, grace_s=2.0):
         known |= new
     _signal(left, signal.SIGKILL)
     shell.wait()
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and any(map(_alive, known)):
-        time.sleep(0.02)
+    psutil.wait_procs([p for p in known if p.pid != shell.pid], timeout=5)
 
 
-def descendants(pids):
-    """Every process whose parent, grandparent, ... is in `pids` (read from /proc)."""
-    children = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            stat = _read(f"/proc/{name}/stat")
-            if stat:
-                children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(name))
-    found, todo = set(), list(pids)
-    while todo:
-        for child in children.get(todo.pop(), []):
-            if child not in found:
-                found.add(child)
-                todo.append(child)
+def descendants(processes):
+    """Every live process whose parent, grandparent, ... is one of `processes` (psutil.Process)."""
+    found = set()
+    for p in processes:
+        try:
+            found.update(p.children(recursive=True))
+        except psutil.Error:   # it ended meanwhile
+            pass
     return found
 
 
-def _alive(pid):
+def _alive(process):
     """Running (a zombie is dead: it only waits for its parent to read its exit code)."""
-    stat = _read(f"/proc/{pid}/stat")
-    return bool(stat) and stat.rsplit(")", 1)[1].split()[0] != "Z"
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
-def _signal(pids, sig, group=False):
-    for pid in pids:
+def _signal(processes, sig):
+    for p in processes:
         try:
-            (os.killpg if group else os.kill)(pid, sig)
-        except (ProcessLookupError, PermissionError):
+            p.send_signal(sig)
+        except psutil.Error:
             pass
 
 

@@ -10,7 +10,10 @@
 4. optionally calls `init_process_group`, runs the user's function, and
    calls `destroy_process_group`;
 5. writes the return value, or the exception with its traceback, to a file in
-   the run folder for the launcher to read.
+   the run folder for the launcher to read: an error in steps 1-3 too;
+6. ends any process the function started and left running.
+
+A warm pool's workers run `serve.serve` instead, which shares steps 1-3 and 6.
 """
 import ast
 import dataclasses
@@ -26,8 +29,11 @@ import traceback
 from datetime import timedelta
 
 import cloudpickle
+import psutil
 import torch
 import torch.distributed as dist
+
+from .run_dirs import process_alive
 
 
 @dataclasses.dataclass
@@ -60,25 +66,48 @@ def error_file(run_dir, rank):
     return os.path.join(run_dir, f"rank{rank}.error")
 
 
+def no_group_file(run_dir, rank):
+    """Left by a rank of an init=False launch that returned without ever joining a process group."""
+    return os.path.join(run_dir, f"rank{rank}.nogroup")
+
+
 def run_worker(local_rank, job):
     """Target of `torch.multiprocessing.start_processes` for `launch`: one call of the job's function."""
-    rank = setup_worker_process(local_rank, job)
+    rank = local_rank  # one machine: global rank == local rank
     try:
+        setup_worker_process(local_rank, job)
         fn, args, kwargs = cloudpickle.loads(job.payload)
         if job.init:
             init_process_group(job.backend, local_rank, job.pg_timeout_s)
+        else:
+            joined = _note_joining()
         result = fn(*args, **kwargs)
         if job.init and dist.is_initialized():
             dist.destroy_process_group()
+        if not job.init and not joined:
+            open(no_group_file(job.run_dir, rank), "w").close()
         _write_atomically(result_file(job.run_dir, rank), cloudpickle.dumps(to_cpu(result)))
     except BaseException as exc:  # KeyboardInterrupt and SystemExit too: the launcher must hear of them
-        _write_atomically(error_file(job.run_dir, rank), pickle.dumps(describe_exception(exc)))
-        sys.stdout.flush()
-        sys.stderr.flush()
+        report_error(job.run_dir, rank, exc)
         sys.exit(1)
     finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
+        end_worker()
+
+
+def report_error(run_dir, rank, exc):
+    """Leave the exception, with its traceback, for the launcher (and in this rank's log)."""
+    _write_atomically(error_file(run_dir, rank), pickle.dumps(describe_exception(exc)))
+
+
+def end_worker():
+    """What every worker does last: flush its output, and end the processes it started
+    (`subprocess.Popen(...)` left running): nothing outlives a launch."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    _end_children()
 
 
 def setup_worker_process(local_rank, job):
@@ -93,10 +122,39 @@ def setup_worker_process(local_rank, job):
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     # torch was imported (in the forkserver) before this environment was set, so apply
     # what torch reads at import time by hand: threads, and TORCH_DISTRIBUTED_DEBUG.
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    torch.set_num_threads(omp_threads(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.set_debug_level_from_env()
     linecache.cache.update(job.cell_sources)
     return rank
+
+
+def omp_threads(value):
+    """The threads a rank uses, from OMP_NUM_THREADS: a positive whole number, or one per level
+    of nested parallelism ("4,2", OpenMP's syntax), of which the first applies here."""
+    first = value.split(",")[0].strip()
+    if not first.isdigit() or int(first) < 1:
+        raise ValueError(f"OMP_NUM_THREADS={value!r} is not a positive whole number of threads per rank "
+                         "(set it in the notebook's environment or in launch's env=)")
+    return int(first)
+
+
+def _note_joining():
+    """For init=False: a list that gets an entry when the function forms a process group (it may
+    destroy it again before it returns, which leaves no other trace). Where this torch has no
+    `_update_default_pg` to watch, the list says "joined": nobody is blamed for leaving early."""
+    c10d = dist.distributed_c10d
+    real = getattr(c10d, "_update_default_pg", None)
+    if real is None:
+        return [True]
+    joined = []
+
+    def update_default_pg(pg):
+        if pg is not None:
+            joined.append(True)
+        return real(pg)
+
+    c10d._update_default_pg = update_default_pg
+    return joined
 
 
 def rank_namespace():
@@ -138,13 +196,18 @@ def init_process_group(backend, local_rank, timeout_s):
 
 
 def describe_exception(exc):
-    """A plain, always-picklable record of an exception and its traceback."""
-    return {
-        "type": type(exc).__qualname__,
-        "module": type(exc).__module__,
-        "message": str(exc),
-        "traceback": "".join(traceback.format_exception(type(exc), exc, _user_frames(exc.__traceback__))),
-    }
+    """A plain, always-picklable record of an exception and its traceback (even when the
+    exception's own str() fails)."""
+    try:
+        message = str(exc)
+    except Exception as err:
+        message = f"<str() of this {type(exc).__name__} failed: {type(err).__name__}>"
+    try:
+        text = "".join(traceback.format_exception(type(exc), exc, _user_frames(exc.__traceback__)))
+    except Exception:
+        text = "".join(traceback.format_tb(_user_frames(exc.__traceback__))) + f"{type(exc).__qualname__}: {message}\n"
+    return {"type": type(exc).__qualname__, "module": type(exc).__module__, "message": message,
+            "traceback": text}
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -193,24 +256,30 @@ def _exit_when_orphaned(launcher_pid, period_s=0.5):
 
     def watch():
         while True:
-            if poller.poll(period_s * 1000) or not _process_alive(launcher_pid):
+            if poller.poll(period_s * 1000) or not process_alive(launcher_pid):
+                _end_children()
                 os._exit(1)
 
     threading.Thread(target=watch, name="ddp-helpers-watchdog", daemon=True).start()
 
 
-def _process_alive(pid):
+def _end_children(grace_s=1.0):
+    """End every process this one started (and what they started), SIGTERM first, then SIGKILL."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a killed process stays a zombie until its parent reaps it
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
+        family = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return
+    for child in family:
+        try:
+            child.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(family, timeout=grace_s)
+    for child in alive:
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
 
 
 def _write_atomically(path, data):

@@ -1,10 +1,37 @@
-"""Fixtures shared by the training tests (test_train.py, test_speed.py)."""
+"""What the tests share: the repository's folder, skip marks, how long a test may wait, and the
+training tests' fixtures.
+
+Waiting: this suite runs on busy 2-core machines. A test waits `seconds(s)`: `s` times one
+setting, DDP_HELPERS_TEST_TIME_SCALE (default 3). Raise it on a slower or busier machine; no test
+compares a wall-clock time with a tight limit.
+
+    from conftest import REPO, needs_mini, needs_gpu, needs_2_gpus, seconds
+"""
+import os
 import tempfile
 
 import pytest
 import torch
+import torch.distributed as dist
 
+from ddp_helpers import data, machine
 from ddp_helpers.launcher import loopback_interface
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIME_SCALE = float(os.environ.get("DDP_HELPERS_TEST_TIME_SCALE", "3"))
+
+needs_mini = pytest.mark.skipif(
+    not os.environ.get(data.ENV_VAR),
+    reason=f"{data.ENV_VAR} is not set: .ci/run extracts the offline CIFAR-10 subset "
+           "(shared/data/cifar10-png-mini.tar.gz) and sets it")
+needs_gpu = pytest.mark.skipif(machine.gpu_count() < 1, reason="needs a CUDA GPU")
+needs_2_gpus = pytest.mark.skipif(machine.gpu_count() < 2 or not dist.is_nccl_available(),
+                                  reason="needs 2 CUDA GPUs and NCCL")
+
+
+def seconds(s):
+    """A deadline of `s` seconds on an idle machine, stretched for a busy one (TIME_SCALE)."""
+    return s * TIME_SCALE
 
 
 @pytest.fixture(scope="module")

@@ -16,23 +16,20 @@ import time
 import pytest
 import torch
 
-from ddp_helpers import data, launch, train, torchrun
+from conftest import REPO, needs_mini, seconds
+from ddp_helpers import launch, train, torchrun
+from ddp_helpers.run_dirs import process_alive
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_private_network = pytest.mark.skipif(not torchrun.private_network_available(),
                                 reason="needs `unshare -rn` (a private network namespace) to run torchrun "
                                        "without opening ports on this machine")
-needs_mini = pytest.mark.skipif(
-    not os.environ.get(data.ENV_VAR),
-    reason=f"{data.ENV_VAR} is not set: .ci/run extracts the offline CIFAR-10 subset and sets it")
-
 ENV_LINE = re.compile(r"RANK=(\d+) LOCAL_RANK=(\d+) GROUP_RANK=(\d+) WORLD_SIZE=(\d+) LOCAL_WORLD_SIZE=(\d+) "
                       r"TORCHELASTIC_RESTART_COUNT=(\d+) all_reduce\(ones\)=(\d+)")
 
 
 @needs_private_network
 def test_two_agents_are_two_nodes_of_one_job():
-    out = torchrun.run_nodes(["-m", "ddp_helpers.env_report"], nnodes=2, nproc_per_node=2, timeout=90)
+    out = torchrun.run_nodes(["-m", "ddp_helpers.env_report"], nnodes=2, nproc_per_node=2, timeout=seconds(90))
     assert out.ok, out.logs
     assert out.torchrun.startswith("torchrun --nnodes=2 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:")
     nodes = [[tuple(map(int, m)) for m in ENV_LINE.findall(log)] for log in out.logs]
@@ -67,10 +64,10 @@ def test_killed_worker_restart_resumes_from_checkpoint_and_finishes(tmp_path):
     env = {"OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     start = time.monotonic()
     out = torchrun.run_nodes(["-m", "ddp_helpers.train", *FAULTY, "--checkpoint", checkpoint, "--resume", "auto"],
-                             nnodes=1, nproc_per_node=2, max_restarts=1, standalone=True, timeout=120, env=env)
+                             nnodes=1, nproc_per_node=2, max_restarts=1, standalone=True, timeout=seconds(120), env=env)
     log = out.logs[0]
     assert out.ok, log
-    assert time.monotonic() - start < 60
+    assert time.monotonic() - start < seconds(60)
     first, second = log.split("rank 1: injected fault at step 8: SIGKILL to myself")  # exactly once
     assert "resume auto: no checkpoint yet, starting from scratch" in first and "step 5/15" in first
     assert re.search(r"failed \(exitcode: -?\d+\) local_rank: [01]", second)  # torchrun saw a failure ...
@@ -83,7 +80,7 @@ def test_killed_worker_restart_resumes_from_checkpoint_and_finishes(tmp_path):
     assert (final["epoch"], final["step"]) == (2, 15)
     # The run that was never interrupted ends with exactly the same weights.
     whole = launch(train.run, world_size=2, kwargs=dict(SAME_RUN, checkpoint=str(tmp_path / "whole-{epoch}.pt")),
-                   env={"OMP_NUM_THREADS": "1"}, timeout=60, quiet=True)[0]
+                   env={"OMP_NUM_THREADS": "1"}, timeout=seconds(60), quiet=True)[0]
     assert whole["test_accuracy"] == pytest.approx(accuracy, abs=1e-6)
     reference = torch.load(tmp_path / "whole-2.pt", map_location="cpu", weights_only=True)
     assert all(torch.equal(final["model"][k], reference["model"][k]) for k in reference["model"])
@@ -111,9 +108,9 @@ def started_pids(folder, expected, wait_s=0.0):
 
 def wait_gone(pids, wait_s):
     deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline and any(map(torchrun._alive, pids)):
+    while time.monotonic() < deadline and any(map(process_alive, pids)):
         time.sleep(0.05)
-    return sorted(pid for pid in pids if torchrun._alive(pid))
+    return sorted(pid for pid in pids if process_alive(pid))
 
 
 @needs_private_network
@@ -121,11 +118,11 @@ def test_timeout_ends_every_agent_worker_and_child(tmp_path):
     script, pid_dir = tmp_path / "hang.py", tmp_path / "pids"
     script.write_text(HANGING_WORKER)
     pid_dir.mkdir()
-    start = time.monotonic()
+    start, timeout = time.monotonic(), seconds(10)   # long enough for every worker to start
     with pytest.raises(torchrun.NodesTimeout) as timed_out:
-        torchrun.run_nodes([str(script)], nnodes=2, nproc_per_node=2, timeout=10,
+        torchrun.run_nodes([str(script)], nnodes=2, nproc_per_node=2, timeout=timeout,
                            env={"PID_DIR": str(pid_dir), "STUBBORN": "1"})
-    assert time.monotonic() - start < 10 + 8
+    assert time.monotonic() - start < timeout + seconds(8)
     assert "every agent and worker was ended" in str(timed_out.value) and len(timed_out.value.logs) == 2
     pids = started_pids(pid_dir, expected=4)
     assert len(pids) == 2 + 4 + 4                       # 2 agents, 4 workers, 4 children
@@ -141,11 +138,11 @@ def test_agents_and_workers_end_when_the_caller_dies(tmp_path):
                                f"[{str(script)!r}], nnodes=1, nproc_per_node=2, standalone=True, timeout=300)"],
                               env={**os.environ, "PID_DIR": str(pid_dir)})
     try:
-        pids = started_pids(pid_dir, expected=2, wait_s=30)
+        pids = started_pids(pid_dir, expected=2, wait_s=seconds(30))
     finally:
         caller.send_signal(signal.SIGKILL)   # like a notebook kernel that dies: no cleanup code runs
         caller.wait()
-    assert wait_gone(pids, 10) == []         # the watchdog ended the agent, which ended its workers
+    assert wait_gone(pids, seconds(10)) == []         # the watchdog ended the agent, which ended its workers
 
 
 # ------------------------------------------------------- no agents needed

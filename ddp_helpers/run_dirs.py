@@ -1,0 +1,135 @@
+"""Run folders: one per launch (or per warm pool), holding its pipes, result files and logs.
+
+They live in `$TMPDIR/ddp_helpers-<uid>`, a folder of this user's that nobody else may write to
+(result files are unpickled). A run folder's name records the process that made it
+(`run-HHMMSS-<pid>-<n>-...`); old ones are pruned, but never a run still going on here or in
+another notebook kernel.
+"""
+import itertools
+import os
+import shutil
+import stat
+import tempfile
+import threading
+import time
+import warnings
+
+import psutil
+
+KEPT_RUN_DIRS = 20           # logs of the most recent finished launches kept on disk
+_run_counter = itertools.count()
+_run_dirs_lock = threading.Lock()
+_live_run_dirs = set()       # run folders of this process still in use (a launch running, a pool up)
+_fallback_roots = {}         # (temp dir, uid) -> a private root, when the usual one cannot be trusted
+
+
+def new_run_dir():
+    """A new folder for one launch (or one pool's workers), in this user's private scratch root.
+
+    It counts as live until `release_run_dir`; old folders are pruned (all but the newest
+    KEPT_RUN_DIRS), but only released ones of this process and those of processes that are gone.
+    """
+    with _run_dirs_lock:
+        root = run_root()
+        _prune(root)
+        pid = os.getpid()
+        path = tempfile.mkdtemp(prefix=f"run-{time.strftime('%H%M%S')}-{pid}-{next(_run_counter)}-", dir=root)
+        _live_run_dirs.add(path)
+        return path
+
+
+def release_run_dir(path):
+    """The run in `path` is over: its folder (logs) may be pruned by later launches."""
+    with _run_dirs_lock:
+        _live_run_dirs.discard(path)
+
+
+def run_root():
+    """`$TMPDIR/ddp_helpers-<uid>`, made with mode 0700, if it is a real folder of this user that
+    nobody else can write to; otherwise (planted by another user, a symlink, ...) a private
+    folder made for this process, with a warning. Result files in run folders are unpickled:
+    nobody else may be able to put or rename anything there."""
+    tmp, uid = tempfile.gettempdir(), os.getuid()
+    root = os.path.join(tmp, f"ddp_helpers-{uid}")
+    try:
+        os.mkdir(root, 0o700)
+    except FileExistsError:
+        pass
+    problem = _untrusted_root(root, uid)
+    if problem is None:
+        return root
+    fallback = _fallback_roots.get((tmp, uid))
+    if fallback is None or _untrusted_root(fallback, uid) is not None:
+        fallback = tempfile.mkdtemp(prefix=f"ddp_helpers-{uid}-", dir=tmp)  # new, 0700, ours
+        _fallback_roots[(tmp, uid)] = fallback
+        warnings.warn(f"not using {root}: {problem}; run folders go to {fallback} instead", stacklevel=4)
+    return fallback
+
+
+def _untrusted_root(path, uid):
+    """Why `path` cannot hold run folders, or None when it can (then it is made mode 0700)."""
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        return f"cannot inspect it ({exc})"
+    if stat.S_ISLNK(st.st_mode):
+        return "it is a symbolic link"
+    if not stat.S_ISDIR(st.st_mode):
+        return "it is not a folder"
+    if st.st_uid != uid:
+        return f"it belongs to user id {st.st_uid}, not {uid}"
+    if st.st_mode & 0o022:
+        return f"other users can write to it (mode {stat.S_IMODE(st.st_mode):o})"
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        try:
+            os.chmod(path, 0o700, follow_symlinks=False)  # e.g. 0755 from older versions: logs stay private
+        except (OSError, NotImplementedError):
+            pass
+    return None
+
+
+def _run_dir_owner(name):
+    """PID recorded in a run folder's name (`run-HHMMSS-<pid>-<n>-...`), or None for other names."""
+    parts = name.split("-")
+    if len(parts) >= 5 and parts[0] == "run" and parts[2].isdigit() and parts[3].isdigit():
+        return int(parts[2])
+    return None
+
+
+def _prune(root):
+    """Delete all but the newest KEPT_RUN_DIRS finished run folders (caller holds _run_dirs_lock).
+    Other processes prune the same root at the same time: anything may vanish meanwhile."""
+    me = os.getpid()
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return
+    finished = []
+    for name in names:
+        path = os.path.join(root, name)
+        owner = _run_dir_owner(name)
+        if owner is None:
+            if not name.startswith("run-"):
+                continue  # not ours to delete
+        elif owner == me:
+            if path in _live_run_dirs:
+                continue
+        elif process_alive(owner):
+            continue  # another process's run: it may still be going on, and it prunes its own
+        try:
+            finished.append((os.lstat(path).st_mtime, path))
+        except FileNotFoundError:
+            continue
+    finished.sort()
+    for _, stale in finished[:-KEPT_RUN_DIRS]:
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def process_alive(pid):
+    """Whether process `pid` is running (a zombie has exited: it only waits for its parent)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.AccessDenied:
+        return True

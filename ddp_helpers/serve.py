@@ -1,0 +1,104 @@
+"""What runs inside each worker process of a warm `Pool`: form the group, then answer requests.
+
+`serve(local_rank, job, connections)` is the target handed to
+`torch.multiprocessing.start_processes`. It sets the process up as `launch`'s workers are set up
+(`worker.setup_worker_process`: output pipes, environment, watchdog), forms the process group,
+says "ok" on its connection, and then answers the kernel's requests one at a time: run a cell,
+call a function, set or read a variable, stop.
+
+Each answer is (kind, value, group_alive): kind "ok" with the pickled value, or "error" with
+`worker.describe_exception`'s record; group_alive is False once a cell destroyed the process group
+(the kernel then replaces the ranks).
+"""
+import linecache
+import pickle
+import signal
+import sys
+
+import cloudpickle
+import torch.distributed as dist
+
+from .cells import dumps
+from .worker import (describe_exception, end_worker, exec_cell, init_process_group, rank_namespace,
+                     setup_worker_process, to_cpu)
+
+
+def serve(local_rank, job, connections):
+    """Target of `start_processes` for a pool worker."""
+    conn = connections[local_rank]
+    for other in connections:
+        if other is not conn:
+            other.close()
+    # Idle workers ignore Ctrl-C / Jupyter's Interrupt (sent to the kernel's whole process
+    # group); only a running cell may be interrupted.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        setup_worker_process(local_rank, job)
+        init_process_group(job.backend, local_rank, job.pg_timeout_s)
+        conn.send(("ok", dumps(None), True))
+    except BaseException as exc:
+        conn.send(("error", describe_exception(exc), dist.is_initialized()))
+        end_worker()
+        return
+    state = _RankState()
+    while True:
+        try:
+            sources, payload = pickle.loads(conn.recv_bytes())
+        except EOFError:
+            break
+        linecache.cache.update(sources)   # the notebook cells whose code the request carries
+        request = cloudpickle.loads(payload)
+        if request[0] == "stop":
+            break
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            reply = ("ok", dumps(to_cpu(state.handle(request))))
+        except BaseException as exc:
+            reply = ("error", describe_exception(exc))
+        finally:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            sys.stdout.flush()
+            sys.stderr.flush()
+        conn.send(reply + (dist.is_initialized(),))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    end_worker()
+
+
+class _RankState:
+    """One rank's namespace, kept between cells."""
+
+    def __init__(self):
+        self.namespace = rank_namespace()
+        self.from_kernel = {}  # name -> the object the kernel last sent for it
+
+    def handle(self, request):
+        kind = request[0]
+        if kind == "exec":
+            _, source, sent, filename = request
+            self._take_from_kernel(sent)
+            return exec_cell(source, self.namespace, filename)
+        if kind == "call":
+            _, fn, args, kwargs = request
+            return fn(*args, **kwargs)
+        if kind == "push":
+            self.namespace.update(request[1])
+            return None
+        if kind == "pull":
+            name = request[1]
+            if name not in self.namespace:
+                raise NameError(f"rank {dist.get_rank()} has no variable {name!r}")
+            return self.namespace[name]
+        raise ValueError(f"unknown request {kind!r}")
+
+    def _take_from_kernel(self, sent):
+        """Notebook variables a cell uses fill in names the rank has not set itself:
+        a rank's own variables are never overwritten by the kernel's."""
+        for name, value in sent.items():
+            current = self.namespace.get(name, _MISSING)
+            if current is _MISSING or current is self.from_kernel.get(name, _MISSING):
+                self.namespace[name] = value
+                self.from_kernel[name] = value
+
+
+_MISSING = object()

@@ -1,0 +1,434 @@
+"""Start a group of ranks, watch them, stop them: the loop that `launch` and the warm `Pool` share.
+
+    with Supervisor(world_size) as ranks:         # a run folder, a rendezvous store, the output pipes
+        job = WorkerJob(..., run_dir=ranks.run_dir, env=ranks.env)
+        ranks.start(run_worker, (job,))            # world_size processes, forked from the forkserver
+        outcome, detail = ranks.wait(deadline)     # every rank done, some failed, or the deadline passed
+    # leaving the block stops every rank and what it started, and frees the port and the folder
+
+The same shape as torch elastic's PContext (start, wait, close), for ranks on this machine.
+While it waits it prints each rank's output as `[rank N] ...`.
+
+Why it is built this way:
+- Workers are forked from the *forkserver*: a fresh Python process (never a fork of the
+  notebook kernel, which may have touched CUDA) that imports torch once; forking a copy of it
+  is cheap, where spawn would import torch anew in every worker.
+- The supervisor hosts the rendezvous store (a `TCPStore` on 127.0.0.1, on a port the OS
+  picks), as torchrun's agent does, and gives each worker the environment torchrun would give.
+- Each rank's stdout and stderr come back through named pipes in the run folder; a full log
+  per rank stays there.
+"""
+import contextlib
+import multiprocessing
+import multiprocessing.connection
+import os
+import re
+import signal
+import socket
+import sys
+import time
+from datetime import timedelta
+
+import psutil
+import torch.distributed as dist
+import torch.multiprocessing
+
+from . import machine
+from .run_dirs import new_run_dir, release_run_dir
+from .worker import error_file, no_group_file, omp_threads, result_file, stderr_pipe, stdout_pipe
+
+STOP_GRACE_S = 2.0           # SIGTERM, then SIGKILL after this long
+
+
+class Supervisor:
+    """`world_size` ranks on this machine: start, wait, stop. See the module docstring.
+
+    env: extra environment variables for the ranks (checked here, before anything exists).
+    quiet: keep the ranks' output out of the cell (it still goes to the logs).
+    """
+
+    def __init__(self, world_size, quiet=False, env=None):
+        self.world_size = world_size
+        self.processes = []
+        self._context = None
+        env = worker_env(world_size, 0, env)   # checks the settings first: nothing exists yet
+        self._resources = contextlib.ExitStack()
+        try:
+            self.run_dir = new_run_dir()
+            self._resources.callback(release_run_dir, self.run_dir)
+            self.store = self._resources.enter_context(Rendezvous())
+            self._resources.callback(remove_scratch, self.run_dir, world_size)
+            self.output = OutputPump(self.run_dir, world_size, quiet)
+            self._resources.callback(self.output.close)
+        except BaseException:
+            self._resources.close()
+            raise
+        self.port = self.store.port
+        self.env = {**env, "MASTER_PORT": str(self.port)}
+
+    def start(self, target, args):
+        """Start the ranks: `target(local_rank, *args)` in each."""
+        with _main_script_findable():
+            self._context = torch.multiprocessing.start_processes(
+                target, args=args, nprocs=self.world_size, join=False, start_method=forkserver())
+        self.processes = self._context.processes
+
+    def wait(self, deadline, replies=None, on_reply=None, finished=None, check=None):
+        """Print the ranks' output until every rank is done, some failed, or `deadline`
+        (a time.monotonic() value) has passed.
+
+        Ranks that exit when done (launch): `finished(rank)` says whether an exited rank left
+        its result; exiting otherwise, or with a non-zero code, is a failure.
+        Ranks that stay up (the pool): `replies` maps each rank to the connection on which it
+        answers once; `on_reply(rank, message)` sees each answer and may return an earlier
+        deadline (one rank raised: the others get a little longer). Any exit is a failure.
+        `check()`, called each time round, may name failed ranks the exits do not show.
+
+        Returns ("done", None), ("failed", [ranks]) or ("timeout", [unfinished ranks]).
+        """
+        pending = dict(replies) if replies is not None else None
+        closed = set()   # ranks whose connection ended: their exit is about to show
+        while True:
+            exited = {r: p.exitcode for r, p in enumerate(self.processes) if p.exitcode is not None}
+            if pending is not None:
+                failed = sorted(exited)
+            else:
+                failed = sorted(r for r, code in exited.items()
+                                if code != 0 or (finished is not None and not finished(r)))
+            if not failed and check is not None:
+                failed = check() or []
+            if failed:
+                return "failed", failed
+            unfinished = (sorted(pending) if pending is not None
+                          else [r for r in range(self.world_size) if r not in exited])
+            if not unfinished:
+                return "done", None
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return "timeout", unfinished
+            waiting = [conn for r, conn in (pending or {}).items() if r not in closed]
+            ready = multiprocessing.connection.wait(
+                waiting + self.output.fds() + [p.sentinel for p in self.processes if p.exitcode is None],
+                timeout=min(left, 0.5))
+            self.output.read([fd for fd in ready if isinstance(fd, int)])
+            for rank, conn in list((pending or {}).items()):
+                if conn not in ready:
+                    continue
+                try:
+                    message = conn.recv()
+                except (EOFError, OSError):
+                    closed.add(rank)
+                    continue
+                del pending[rank]
+                earlier = on_reply(rank, message) if on_reply is not None else None
+                if earlier is not None:
+                    deadline = min(deadline, earlier)
+
+    def dump_stacks(self, ranks, wait_s=0.5):
+        """Ask stuck ranks where they are (faulthandler on SIGUSR1) and print it."""
+        for r in ranks:
+            try:
+                os.kill(self.processes[r].pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+        end = time.monotonic() + wait_s
+        while time.monotonic() < end:
+            self.output.read(multiprocessing.connection.wait(self.output.fds(), timeout=0.05))
+
+    def stop(self, grace_s=STOP_GRACE_S):
+        """SIGTERM every rank still running and every process it started, SIGKILL what is left
+        after `grace_s`, reap them all, print what they wrote last."""
+        family = []
+        for p in self.processes:
+            if p.exitcode is None:
+                with contextlib.suppress(psutil.Error):
+                    family += psutil.Process(p.pid).children(recursive=True)
+                p.terminate()
+        _signal_all(family, "terminate")
+        deadline = time.monotonic() + grace_s
+        while any(p.exitcode is None for p in self.processes) and time.monotonic() < deadline:
+            live = [p.sentinel for p in self.processes if p.exitcode is None]
+            self.output.read(multiprocessing.connection.wait(self.output.fds() + live, timeout=0.05))
+        for p in self.processes:
+            if p.exitcode is None:
+                p.kill()
+            p.join()
+        _, left = psutil.wait_procs(family, timeout=max(0.0, deadline - time.monotonic()))
+        _signal_all(left, "kill")
+        self.output.read(self.output.fds())
+
+    def close(self):
+        """Stop the ranks; free the port; remove pipes and result files (the logs stay)."""
+        try:
+            self.stop()
+        finally:
+            for path in getattr(self._context, "error_files", []):   # torch's, in $TMPDIR
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+            self._resources.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
+def _signal_all(processes, how):
+    for p in processes:
+        with contextlib.suppress(psutil.Error):
+            getattr(p, how)()
+
+
+@contextlib.contextmanager
+def _main_script_findable():
+    """multiprocessing re-runs the main script in every new process, found by its file name. A
+    script read from standard input (`python - < script.py`) has the name "<stdin>", no file:
+    every rank failed looking for it. Such a name is hidden while the ranks start."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if path is None or getattr(main, "__spec__", None) is not None or os.path.exists(path):
+        yield
+        return
+    del main.__file__
+    try:
+        yield
+    finally:
+        main.__file__ = path
+
+
+def interrupted(message):
+    """The KeyboardInterrupt to raise after an interrupt stopped the ranks: IPython shows it as
+    the one line `KeyboardInterrupt: <message>`, not as the frames of the launcher's plumbing."""
+    exc = KeyboardInterrupt(message)
+    exc._render_traceback_ = lambda: [f"KeyboardInterrupt: {message}"]
+    return exc
+
+
+def describe_exit(exitcode):
+    """'was killed by signal SIGSEGV', 'exited with code 3 ...' for a worker's exit code."""
+    if exitcode < 0:
+        name = signal.Signals(-exitcode).name
+        hint = " (often the out-of-memory killer, or the launcher stopping it)" if name == "SIGKILL" else ""
+        return f"was killed by signal {name}{hint}"
+    return f"exited with code {exitcode} without a Python exception"
+
+
+def remove_scratch(run_dir, n):
+    """Remove pipes, result and marker files; keep the logs."""
+    for r in range(n):
+        for path in (stdout_pipe(run_dir, r), stderr_pipe(run_dir, r), result_file(run_dir, r),
+                     error_file(run_dir, r), no_group_file(run_dir, r)):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
+# ------------------------------------------------------ environment and store
+def forkserver():
+    ctx = multiprocessing.get_context("forkserver")
+    # Only takes effect when the forkserver first starts: it imports these once for all workers.
+    # torch._dynamo: the first optimizer or DDP of a process imports it (over a second, in every rank);
+    # torchvision's transforms: the reference trainer's. A name that fails to import is skipped.
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "torchvision.transforms.v2",
+                                "cloudpickle", "psutil", "ddp_helpers.worker", "ddp_helpers.serve"])
+    return "forkserver"
+
+
+def loopback_interface():
+    """Name of the loopback network interface ('lo' on Linux, 'lo0' on macOS)."""
+    names = [name for _, name in socket.if_nameindex()]
+    return next((n for n in ("lo", "lo0") if n in names), "lo")
+
+
+def worker_env(world_size, master_port, extra_env=None):
+    """The environment each worker gets: the kernel's own, plus what torchrun sets.
+
+    RANK, LOCAL_RANK, GROUP_RANK and ROLE_RANK differ per rank; the worker adds them.
+    A bad OMP_NUM_THREADS (the kernel's or in extra_env) is a ValueError here.
+    """
+    env = dict(os.environ)
+    env.update(extra_env or {})
+    threads = max(1, machine.cpu_count() // world_size)
+    env.setdefault("OMP_NUM_THREADS", str(threads))  # torchrun would use 1; share the cores instead
+    omp_threads(env["OMP_NUM_THREADS"])
+    lo = loopback_interface()
+    env.setdefault("GLOO_SOCKET_IFNAME", lo)   # Gloo and NCCL talk over loopback only
+    env.setdefault("NCCL_SOCKET_IFNAME", lo)
+    env.update({
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "ROLE_WORLD_SIZE": str(world_size),
+        "GROUP_WORLD_SIZE": "1",
+        "ROLE_NAME": "default",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(master_port),
+        # Like torchrun: workers connect to the store the launcher hosts instead of rank 0 creating one.
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+        "TORCHELASTIC_RUN_ID": "ddp_helpers",
+    })
+    env.update(extra_env or {})
+    return env
+
+
+class Rendezvous:
+    """A TCPStore served by this process on 127.0.0.1, on a port the OS picks.
+
+    We bind the socket ourselves and hand it to the store: TCPStore alone would
+    listen on every interface, and asking for a free port first, then binding it
+    later, leaves a window in which another program can take it.
+    """
+
+    def __enter__(self):
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            self._sock.bind(("127.0.0.1", 0))
+            self._sock.listen(128)
+            self.port = self._sock.getsockname()[1]
+            self.store = dist.TCPStore("127.0.0.1", self.port, is_master=True, wait_for_workers=False,
+                                       master_listen_fd=self._sock.fileno(), timeout=timedelta(seconds=30))
+        except BaseException:
+            self._sock.close()
+            raise
+        self._sock.detach()  # the store owns the socket now and closes it when deleted
+        return self
+
+    def __exit__(self, *exc):
+        del self.store  # stops the server and closes its socket: the port is free again
+        return False
+
+
+# ------------------------------------------------------------------- output
+_LINE_ENDS = re.compile(rb"(\r\n|\r|\n)")
+
+
+class OutputPump:
+    """Reads each rank's stdout/stderr pipe and prints it as `[rank N] ...` lines.
+
+    Named pipes (FIFOs) in the run folder: the workers open them by name, so no file
+    descriptor has to travel through the forkserver. Lines wait for their end, so lines of
+    different ranks never mix; what one read brings is printed in one write. A `\\r`
+    (a progress bar redrawing its line) is passed on at once, the prefix after it.
+    """
+
+    def __init__(self, run_dir, world_size, quiet):
+        self.quiet = quiet
+        self.streams = {}     # fd -> _Stream
+        self.logs = {}
+        self._open_line = {"stdout": None, "stderr": None}   # the stream whose line is unfinished there
+        for rank in range(world_size):
+            self.logs[rank] = open(os.path.join(run_dir, f"rank{rank}.log"), "ab")
+            for path, dest in ((stdout_pipe(run_dir, rank), "stdout"), (stderr_pipe(run_dir, rank), "stderr")):
+                os.mkfifo(path, 0o600)
+                fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+                self.streams[fd] = _Stream(rank, dest)
+
+    def fds(self):
+        return list(self.streams)
+
+    def read(self, ready):
+        """Read what is waiting on the given fds, print it; return the number of bytes read."""
+        total, printed, touched = 0, {"stdout": [], "stderr": []}, set()
+        for fd in ready:
+            stream = self.streams.get(fd)
+            if stream is None:
+                continue
+            try:
+                data = os.read(fd, 1 << 16)
+            except BlockingIOError:
+                continue
+            total += len(data)
+            if not data:  # the worker closed its end (it exited)
+                self._take(stream, stream.finish(), printed)
+                os.close(fd)
+                del self.streams[fd]
+            else:
+                self._take(stream, stream.feed(data), printed)
+            touched.add(stream.rank)
+        for rank in touched:
+            self.logs[rank].flush()
+        if not self.quiet:
+            for dest, pieces in printed.items():
+                if pieces:
+                    out = sys.stdout if dest == "stdout" else sys.stderr
+                    out.write("".join(pieces))
+                    out.flush()
+        return total
+
+    def _take(self, stream, pieces, printed):
+        for shown, logged in pieces:
+            self.logs[stream.rank].write(logged)
+            if not shown:
+                continue
+            owner = self._open_line[stream.dest]
+            if owner is not None and owner is not stream and not shown.startswith("\r"):
+                shown = "\n" + shown   # another rank's progress line is open: start a new one
+            printed[stream.dest].append(shown)
+            self._open_line[stream.dest] = None if shown.endswith("\n") else stream
+
+    def drain(self):
+        """Print everything the workers have written so far."""
+        while self.read(self.fds()):
+            pass
+
+    def close(self):
+        printed = {"stdout": [], "stderr": []}
+        for fd, stream in self.streams.items():
+            self._take(stream, stream.finish(), printed)
+            os.close(fd)
+        self.streams.clear()
+        if not self.quiet:
+            for dest, pieces in printed.items():
+                if pieces:
+                    (sys.stdout if dest == "stdout" else sys.stderr).write("".join(pieces))
+        for log in self.logs.values():
+            log.close()
+
+
+class _Stream:
+    """One rank's stdout or stderr: cut into lines, and `\\r` updates, each shown with the prefix."""
+
+    def __init__(self, rank, dest):
+        self.rank, self.dest = rank, dest
+        self.prefix = f"[rank {rank}] "
+        self.pending = b""       # the unfinished piece
+        self.after_cr = False    # the unfinished piece redraws the line a `\r` started
+
+    def feed(self, data):
+        """[(text to show, bytes to log)] for what `data` completes; a redrawn line is shown at once."""
+        parts = _LINE_ENDS.split(self.pending + data)
+        self.pending = parts.pop()
+        pieces = [self._piece(parts[i], parts[i + 1]) for i in range(0, len(parts), 2)]
+        if self.after_cr and self.pending:
+            pieces.append((f"\r{self.prefix}{self._text(self.pending)}", b""))
+        return pieces
+
+    def finish(self):
+        """What is left when the stream ends."""
+        if not self.pending:
+            return [("\n", b"") if self.after_cr else ("", b"")]
+        piece = self._piece(self.pending, b"\n")
+        self.pending = b""
+        return [piece]
+
+    def _piece(self, segment, end):
+        text = self._text(segment)
+        if end == b"\r":
+            shown = f"\r{self.prefix}{text}" if self.after_cr else f"{self.prefix}{text}"
+            if not segment:
+                shown = ""
+            self.after_cr = True
+            return shown, segment + end
+        # a line ends
+        if self.after_cr:
+            shown = f"\r{self.prefix}{text}\n" if segment else "\n"
+        else:
+            shown = f"{self.prefix}{text}\n"
+        self.after_cr = False
+        return shown, segment + b"\n"
+
+    @staticmethod
+    def _text(segment):
+        return segment.decode("utf-8", "replace")
