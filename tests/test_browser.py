@@ -418,18 +418,21 @@ def _assert_interrupted(nb, index, kernel, workers):
     assert len(traceback) <= 2, f"expected a one-line message, the error shows {len(traceback)} lines:\n" + "\n".join(traceback)
 
 
-def test_interrupt_button_stops_a_running_ddp_cell(open_notebook, lab):
+@pytest.mark.parametrize("ranks", ["fresh", "warm pool"])
+def test_interrupt_button_stops_a_running_ddp_cell(open_notebook, lab, ranks):
     nbformat = pytest.importorskip("nbformat")
+    setup = "%load_ext ddp_helpers" + ("\n%ddp start -n 2" if ranks == "warm pool" else "")
     scratch = nbformat.v4.new_notebook(cells=[
-        nbformat.v4.new_code_cell("%load_ext ddp_helpers"),
+        nbformat.v4.new_code_cell(setup),
         nbformat.v4.new_code_cell("%%ddp -n 2\nimport time\nprint('working', flush=True)\n"
                                   "for _ in range(3000):\n    time.sleep(0.1)"),
     ])
     scratch.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nbformat.write(scratch, lab.root / "notebooks" / "scratch_interrupt.ipynb")
-    nb = open_notebook("notebooks/scratch_interrupt.ipynb")
+    name = f"scratch_interrupt_{ranks.replace(' ', '_')}.ipynb"
+    nbformat.write(scratch, lab.root / "notebooks" / name)
+    nb = open_notebook(f"notebooks/{name}")
     nb.run_cell(0)
-    nb.wait_idle(seconds(30))
+    nb.wait_idle(seconds(60))
     nb.run_cell(1)
     kernel, workers = _wait_for_workers(nb, seconds(60))
     deadline = time.monotonic() + seconds(60)
