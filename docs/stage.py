@@ -148,8 +148,6 @@ def stage():
         text = mermaid_diagrams(copy_linked_files(glossary.read_text(encoding="utf-8")))
         (STAGED / "glossary.md").write_text(text, encoding="utf-8")
         staged.append("glossary.md")
-    elif os.environ.get("DOCS_GLOSSARY_PLACEHOLDER"):      # only while the glossary is being written
-        (STAGED / "glossary.md").write_text("# Glossary\n\n(not written yet)\n", encoding="utf-8")
     else:
         raise SystemExit("docs: notebooks/glossary.md is missing (the site's glossary page)")
     mermaid = os.environ.get("DOCS_MERMAID_JS")
