@@ -115,7 +115,8 @@ class Lab:
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, JUPYTERLAB_SETTINGS_DIR=str(settings),
                    JUPYTERLAB_WORKSPACES_DIR=str(home / "workspaces"),
-                   JUPYTER_CONFIG_DIR=str(home / "config"), JUPYTER_RUNTIME_DIR=str(home / "runtime"))
+                   JUPYTER_CONFIG_DIR=str(home / "config"), JUPYTER_RUNTIME_DIR=str(home / "runtime"),
+                   JUPYTER_DATA_DIR=str(home / "data"))   # no user kernelspec: the kernel is this Python
         self.log = open(home / "jupyterlab.log", "w")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1",
