@@ -33,6 +33,7 @@ from .worker import WorkerJob, error_file, no_group_file, result_file, run_worke
 BACKENDS = ("gloo", "nccl", "auto")
 MAX_WORLD_SIZE = 64          # one machine; past this use torchrun across nodes
 MAX_TIMEOUT_S = 30 * 24 * 3600   # 30 days; far larger ones overflow torch's timeouts in the workers
+LEFT_EARLY_GRACE_S = 10     # init=False: how long the others may wait for a rank that left without joining
 INTERRUPTED = "interrupted; the ranks were stopped (nothing is left running)."
 
 
@@ -164,14 +165,20 @@ def _outcome(ranks, timeout, quiet):
     def finished(rank):
         return os.path.exists(result_file(run_dir, rank))
 
+    seen_early = []
+
     def left_early():
         """init=False: a rank that returned without joining the process group, while the others
-        began a rendezvous (keys in the store): they wait for it forever."""
+        began a rendezvous (keys in the store), makes them wait for it until their own timeout.
+        After LEFT_EARLY_GRACE_S (their init may have a short timeout of its own) it is named."""
         early = [r for r, p in enumerate(ranks.processes)
                  if p.exitcode == 0 and os.path.exists(no_group_file(run_dir, r))]
-        if early and len(early) < n and any(p.exitcode is None for p in ranks.processes):
-            if ranks.store.store.num_keys() > 0:
-                return early
+        if not early or len(early) == n or all(p.exitcode is not None for p in ranks.processes):
+            return None
+        if not seen_early:
+            seen_early.append(time.monotonic())
+        if time.monotonic() - seen_early[0] > LEFT_EARLY_GRACE_S and ranks.store.store.num_keys() > 0:
+            return early
         return None
 
     outcome, detail = ranks.wait(time.monotonic() + timeout, finished=finished, check=left_early)
@@ -224,7 +231,7 @@ def _describe_exit(run_dir, rank, exitcode, record):
         return f"raised {record['type']}: {record['message']}"
     if exitcode == 0 and os.path.exists(no_group_file(run_dir, rank)):
         return ("returned without joining the process group, while the other ranks waited for it in "
-                "init_process_group (with init=False every rank must call it)")
+                f"init_process_group for {LEFT_EARLY_GRACE_S} s (with init=False every rank must call it)")
     if exitcode == 0:
         return "exited with code 0 before returning a value (sys.exit or os._exit inside the function?)"
     return describe_exit(exitcode)

@@ -637,6 +637,22 @@ def test_a_rank_that_returns_before_init_is_named_at_once():
     assert time.monotonic() - start < seconds(60) / 2
 
 
+def init_alone_with_a_short_timeout():
+    if int(os.environ["RANK"]) == 1:
+        return "skipped"
+    from datetime import timedelta
+    try:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=2))
+    except Exception as err:
+        return type(err).__name__
+
+
+def test_a_rank_waiting_alone_may_still_time_out_by_itself():
+    # notebook 01 shows this: rank 0's own short init timeout ends its wait, before launch steps in
+    outcome = launch(init_alone_with_a_short_timeout, 2, init=False, quiet=True)
+    assert outcome[1] == "skipped" and outcome[0].endswith("Error"), outcome   # DistStoreError in torch 2.14
+
+
 def exit_during_all_reduce(code):
     if dist.get_rank() == 1:
         time.sleep(0.5)   # the others are waiting in all_reduce by now
