@@ -349,13 +349,17 @@ class OutputPump:
             touched.add(stream.rank)
         for rank in touched:
             self.logs[rank].flush()
-        if not self.quiet:
-            for dest, pieces in printed.items():
-                if pieces:
-                    out = sys.stdout if dest == "stdout" else sys.stderr
-                    out.write("".join(pieces))
-                    out.flush()
+        self._print(printed)
         return total
+
+    def _print(self, printed):
+        if self.quiet:
+            return
+        for dest, pieces in printed.items():
+            if pieces:
+                out = sys.stdout if dest == "stdout" else sys.stderr
+                out.write("".join(pieces))
+                out.flush()
 
     def _take(self, stream, pieces, printed):
         for shown, logged in pieces:
@@ -379,10 +383,7 @@ class OutputPump:
             self._take(stream, stream.finish(), printed)
             os.close(fd)
         self.streams.clear()
-        if not self.quiet:
-            for dest, pieces in printed.items():
-                if pieces:
-                    (sys.stdout if dest == "stdout" else sys.stderr).write("".join(pieces))
+        self._print(printed)
         for log in self.logs.values():
             log.close()
 
