@@ -723,3 +723,84 @@ def check_torchrun_command(command):
             problems.append(f"pass {flag} {value} to the training program, after the module name "
                             f"(options before it are torchrun's)")
     return Verdict(title, problems)
+
+
+_COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+                "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather", "scatter", "barrier",
+                "all_gather_object", "broadcast_object_list", "gather_object", "send", "recv", "isend", "irecv")
+
+
+def _mean_loss_in_rank(fn):
+    """Inside a rank: fn(loss) with this rank's loss, every collective wrapped to note its name
+    (outermost calls only). Returns (fn's result, the names in call order, what fn printed)."""
+    import contextlib
+    import io
+    calls, inside = [], []
+    names = [name for name in _COLLECTIVES if hasattr(dist, name)]
+    saved = {name: getattr(dist, name) for name in names}
+
+    def noting(name):
+        def call(*args, **kwargs):
+            if not inside:
+                calls.append(name)
+            inside.append(name)
+            try:
+                return saved[name](*args, **kwargs)
+            finally:
+                inside.pop()
+        return call
+
+    for name in names:
+        setattr(dist, name, noting(name))
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            result = fn(1.0 + dist.get_rank())
+    finally:
+        for name, call in saved.items():
+            setattr(dist, name, call)
+    return result, calls, printed.getvalue()
+
+
+def check_mean_loss(fn):
+    """Notebook 10: `fn(loss)` returns the mean of every rank's loss on every rank, and only rank 0
+    prints it. Checked on 2 and 3 ranks: the values, who printed, and that every rank called the same
+    collectives in the same order (the bug of the exercise: a collective inside `if rank == 0`)."""
+    title = "mean_loss"
+    problems = []
+    for world_size in (2, 3):
+        label = f"world_size={world_size}"
+        want = sum(1.0 + r for r in range(world_size)) / world_size
+        try:
+            results = launch(_mean_loss_in_rank, world_size, args=(fn,), timeout=10, quiet=True)
+        except WorkerTimeout as err:
+            problems.append(f"{label}: rank(s) {err.unfinished_ranks} never finished: they wait in a collective "
+                            f"that another rank never calls. Is a collective inside `if dist.get_rank() == 0`? "
+                            f"Every rank must call every collective; only the print belongs in the if")
+            break
+        except WorkerError as err:
+            if err.exc_type == "NotImplementedError":
+                return Verdict(title, [f"{fn.__name__} still raises NotImplementedError: fill in the stub"])
+            first_line = str(err).splitlines()[0].split(". This is typically")[0][:300]
+            hint = (": its partner had left without joining the collective. Is a collective inside "
+                    "`if dist.get_rank() == 0`? Every rank must call every collective"
+                    if "gloo" in first_line.lower() or "closed" in first_line.lower() else "")
+            problems.append(f"{label}: rank {err.rank} failed: {first_line}{hint}")
+            continue
+        sequences = [calls for _, calls, _ in results]
+        if any(seq != sequences[0] for seq in sequences):
+            rank = next(r for r, seq in enumerate(sequences) if seq != sequences[0])
+            problems.append(f"{label}: rank 0 called {sequences[0] or 'no collective'}, rank {rank} called "
+                            f"{sequences[rank] or 'no collective'}: every rank must call the same collectives in "
+                            f"the same order (a mismatch hangs, or mixes up data)")
+            continue
+        for rank, (value, _, _) in enumerate(results):
+            if not isinstance(value, (int, float)) or abs(value - want) > 1e-6:
+                problems.append(f"{label}, rank {rank}: expected the mean loss {want:g}, got {value!r}"
+                                + (" (the sum: divide by dist.get_world_size())"
+                                   if isinstance(value, (int, float)) and abs(value - want * world_size) < 1e-6 else ""))
+                break
+        printers = [rank for rank, (_, _, out) in enumerate(results) if out.strip()]
+        if printers != [0]:
+            problems.append(f"{label}: rank(s) {printers or 'none'} printed; only rank 0 should print the mean")
+    return Verdict(title, problems)

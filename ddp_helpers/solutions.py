@@ -107,3 +107,14 @@ def steps_per_epoch(n_images, batch_per_rank, world_size):
 # Notebook 09: the same command on both nodes; the agents meet at node01:29500 and number the nodes.
 torchrun_command = ("torchrun --nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint=node01:29500 "
                     "--max-restarts=3 -m ddp_helpers.train --checkpoint 'ckpt/epoch-{epoch}.pt' --resume auto")
+
+
+def mean_loss(loss):
+    """Notebook 10: every rank joins the all_reduce (a collective inside `if rank == 0` hangs the others);
+    only the print is rank 0's."""
+    t = torch.tensor([float(loss)])
+    dist.all_reduce(t)
+    t /= dist.get_world_size()
+    if dist.get_rank() == 0:
+        print(f"mean loss {t.item():.3f}")
+    return t.item()

@@ -327,3 +327,44 @@ def test_torchrun_command_checker_asks_torchrun_for_its_settings():
     assert not both and ("torchrun would stop before starting anything: Don't use both the '--no-python' flag "
                          "and the '--module' flag") in repr(both), repr(both)
     assert os.environ.get("OMP_NUM_THREADS") == before   # torchrun's parser sets it; the checker puts it back
+
+
+# ---- notebook 10: the collective that only rank 0 called
+def mean_loss_only_rank_0_reduces(loss):  # the bug in the notebook: the others never join the all_reduce
+    t = torch.tensor([float(loss)])
+    if dist.get_rank() == 0:
+        dist.all_reduce(t)
+        t /= dist.get_world_size()
+        print(f"mean loss {t.item():.3f}")
+    return t.item()
+
+
+def mean_loss_everybody_prints(loss):
+    t = torch.tensor([float(loss)])
+    dist.all_reduce(t)
+    t /= dist.get_world_size()
+    print(f"mean loss {t.item():.3f}")
+    return t.item()
+
+
+def mean_loss_extra_barrier_on_rank_0(loss):  # right values, but rank 0 calls one more collective
+    t = torch.tensor([float(loss)])
+    dist.all_reduce(t)
+    t /= dist.get_world_size()
+    if dist.get_rank() == 0:
+        dist.barrier(async_op=True)   # would hang the next collective of a real program
+        print(f"mean loss {t.item():.3f}")
+    return t.item()
+
+
+def test_mean_loss_checker():
+    assert exercises.check_mean_loss(solutions.mean_loss)
+    hang = exercises.check_mean_loss(mean_loss_only_rank_0_reduces)
+    assert not hang and "Every rank must call every collective" in repr(hang), repr(hang)
+    chatty = exercises.check_mean_loss(mean_loss_everybody_prints)
+    assert not chatty and "world_size=2: rank(s) [0, 1] printed; only rank 0 should print the mean" in repr(chatty)
+    extra = exercises.check_mean_loss(mean_loss_extra_barrier_on_rank_0)
+    assert not extra and ("world_size=2: rank 0 called ['all_reduce', 'barrier'], rank 1 called ['all_reduce']: "
+                          "every rank must call the same collectives") in repr(extra), repr(extra)
+    stub = exercises.check_mean_loss(still_a_stub)
+    assert not stub and "still raises NotImplementedError" in repr(stub)
