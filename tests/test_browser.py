@@ -343,9 +343,15 @@ def _png_progress(png_b64):
 
 def test_03_moving_the_ring_slider_changes_the_picture(open_notebook):
     nb = open_notebook("notebooks/03_collectives.ipynb")
-    nb.restart_and_run_all()
-    index = nb.cell_index("ring_stepper(")
-    nb.wait_idle(seconds(120), settle=3)
+    # the cells the slider needs, run one by one as a learner would (Run All of 03 is in the run-all script):
+    # the setup, the pool, the recorded ring, the step-by-step picture, the slider
+    first = nb.state()["cells"][0]["index"]
+    for index in [first] + [nb.cell_index(text) for text in
+                            ("%ddp start", "ring_all_reduce_steps(", "ring_all_steps(", "ring_stepper(")]:
+        nb.run_cell(index)
+        nb.wait_idle(seconds(60), settle=0.5)
+        errors = [o for o in nb.cell(index)["outputs"] if o["type"] == "error"]
+        assert not errors, f"cell {index} raised: {errors[0]['ename']}: {errors[0]['evalue']}"
     cell = nb.page.locator(".jp-Notebook .jp-CodeCell").nth(
         [c["index"] for c in nb.state()["cells"]].index(index))
     handle = cell.locator(".widget-slider .noUi-handle")
@@ -450,7 +456,7 @@ def test_06_live_view_updates_in_place_and_the_interrupt_button_stops_the_traini
     kernel, workers = _wait_for_workers(nb, seconds(60))
     pictures, progress, most_outputs = [], [], 0
     deadline = time.monotonic() + seconds(120)
-    while time.monotonic() < deadline and len(pictures) < 4:
+    while time.monotonic() < deadline and len(pictures) < 3:
         cell = nb.cell(index, with_data=True)
         most_outputs = max(most_outputs, len(cell["outputs"]))
         pngs = [o["png"] for o in cell["outputs"] if o["png"]]
