@@ -1,7 +1,6 @@
-"""The root conftest.py skips notebook cells tagged `needs-cifar10` where CIFAR-10 cannot be had,
+"""The plugin ddp_helpers.pytest_notebooks skips notebook cells tagged `needs-cifar10` where CIFAR-10 cannot be had,
 with the reason, and runs them where it can."""
 import os
-import shutil
 import subprocess
 import sys
 
@@ -11,14 +10,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_notebook_tests(tmp_path, data_folder):
-    shutil.copy(os.path.join(REPO, "conftest.py"), tmp_path / "conftest.py")
     nb = nbformat.v4.new_notebook()
     needs_data = nbformat.v4.new_code_cell("raise RuntimeError('the data cell ran')")
     needs_data.metadata["tags"] = ["needs-cifar10"]
     nb.cells = [nbformat.v4.new_code_cell("x = 1"), needs_data, nbformat.v4.new_code_cell("assert x == 1")]
     nbformat.write(nb, str(tmp_path / "lesson.ipynb"))
     env = dict(os.environ, DDP_HELPERS_CIFAR10=str(data_folder), XDG_CACHE_HOME=str(tmp_path / "cache"))
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--nbval",
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "ddp_helpers.pytest_notebooks", "--nbval",
                            "--nbval-current-env", "-rs", "-q", "lesson.ipynb"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
 
