@@ -13,6 +13,7 @@ result reached the wrong way (gathering everything at rank 0, a chain instead of
 The returned Verdict is true when every case passes.
 Reference solutions are in `ddp_helpers/solutions.py` (peek after trying).
 """
+import contextlib
 import torch
 import torch.distributed as dist
 
@@ -489,30 +490,12 @@ def _one_bucket_in_rank(fn):
         calls.append({"bytes": tensor.numel() * tensor.element_size(), "op": name})
         return original(tensor, *args, **kwargs)
 
-    others, inside = [], []   # any other collective or p2p call is noted (the outermost call only)
-    other_names = [name for name in _NOT_ONE_ALL_REDUCE if hasattr(dist, name)]
-    saved = {name: getattr(dist, name) for name in other_names}
-
-    def noting(name):
-        def call(*args, **kwargs):
-            if not inside:
-                others.append(name)
-            inside.append(name)
-            try:
-                return saved[name](*args, **kwargs)
-            finally:
-                inside.pop()
-        return call
-
     dist.all_reduce = counting_all_reduce
-    for name in other_names:
-        setattr(dist, name, noting(name))
     try:
-        fn(model)
+        with _noting_calls(_NOT_ONE_ALL_REDUCE) as others:   # any other collective or p2p call
+            fn(model)
     finally:
         dist.all_reduce = original
-        for name, call in saved.items():
-            setattr(dist, name, call)
     return {"calls": calls, "others": others, "local": local, "summed": summed,
             "got": [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()],
             "shapes": [tuple(p.shape) for p in model.parameters()]}
@@ -733,11 +716,19 @@ _COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_i
 def _mean_loss_in_rank(fn):
     """Inside a rank: fn(loss) with this rank's loss, every collective wrapped to note its name
     (outermost calls only). Returns (fn's result, the names in call order, what fn printed)."""
-    import contextlib
     import io
+    printed = io.StringIO()
+    with _noting_calls(_COLLECTIVES) as calls, contextlib.redirect_stdout(printed):
+        result = fn(1.0 + dist.get_rank())
+    return result, calls, printed.getvalue()
+
+
+@contextlib.contextmanager
+def _noting_calls(names):
+    """Inside a rank: while the block runs, each dist.<name> that exists notes its name, in call order
+    (the outermost call only: a collective built from others is noted once). Yields that list."""
     calls, inside = [], []
-    names = [name for name in _COLLECTIVES if hasattr(dist, name)]
-    saved = {name: getattr(dist, name) for name in names}
+    saved = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
 
     def noting(name):
         def call(*args, **kwargs):
@@ -750,16 +741,13 @@ def _mean_loss_in_rank(fn):
                 inside.pop()
         return call
 
-    for name in names:
+    for name in saved:
         setattr(dist, name, noting(name))
-    printed = io.StringIO()
     try:
-        with contextlib.redirect_stdout(printed):
-            result = fn(1.0 + dist.get_rank())
+        yield calls
     finally:
         for name, call in saved.items():
             setattr(dist, name, call)
-    return result, calls, printed.getvalue()
 
 
 def check_mean_loss(fn):
