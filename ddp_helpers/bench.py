@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from . import machine, reference
-from .collectives import renamed
+from .collectives import barrier, renamed
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all", "sendrecv")
 SPLIT = ("all_gather", "reduce_scatter", "all_to_all")   # S holds one chunk per rank
@@ -236,15 +236,6 @@ def _device(device):
     return torch.device("cuda", index)
 
 
-def _barrier(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    if dist.get_backend() == "nccl":
-        dist.barrier(device_ids=[device.index])  # tells NCCL which GPU, instead of a guess and a warning
-    else:
-        dist.barrier()
-
-
 def time_calls(call, iters, warmup, device, cuda_graph=False):
     """Seconds per call on this rank: warm-up calls, a barrier, then `iters` timed calls.
 
@@ -283,12 +274,13 @@ def _time_graph(call, iters, warmup, device):
 def _timed(run, device):
     """Seconds that run() takes, starting together after a barrier."""
     if device.type == "cpu":
-        _barrier(device)
+        barrier(device)
         start = time.perf_counter()
         run()
         return time.perf_counter() - start
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    _barrier(device)
+    torch.cuda.synchronize(device)  # nothing left queued before the clock starts
+    barrier(device)
     begin.record()
     run()
     end.record()

@@ -18,6 +18,18 @@ def renamed(new_name):
     return getattr(dist, new_name, None) or getattr(dist, RENAMED[new_name])
 
 
+def barrier(device=None, group=None):
+    """dist.barrier(), naming this rank's GPU under NCCL (else NCCL guesses which GPU, and warns).
+
+    device: the rank's torch.device; None means the current CUDA device.
+    """
+    if dist.get_backend(group) != "nccl":
+        dist.barrier(group)
+        return
+    index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
+    dist.barrier(group, device_ids=[index])
+
+
 def _support_probes(n, rank, device):
     """op name -> a call that uses it on small tensors of `device`."""
     def t(*shape):

@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
+from .collectives import barrier
+
 ENV_VAR = "DDP_HELPERS_CIFAR10"
 CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 MEAN = (0.4914, 0.4822, 0.4465)   # CIFAR-10 training set, per channel, on a 0-1 scale
@@ -97,13 +99,11 @@ def unavailable_reason():
 def rank_zero_first():
     """Rank 0 runs the block while the other ranks wait; then they run it too."""
     group = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    # Under NCCL, name this rank's GPU (else NCCL guesses it, and warns).
-    gpu = [torch.cuda.current_device()] if group and dist.get_backend() == "nccl" else None
     if group and dist.get_rank() != 0:
-        dist.barrier(device_ids=gpu)
+        barrier()
     yield
     if group and dist.get_rank() == 0:
-        dist.barrier(device_ids=gpu)
+        barrier()
 
 
 def how_to_get_data(download_root):

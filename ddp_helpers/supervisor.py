@@ -38,6 +38,7 @@ from .run_dirs import new_run_dir, release_run_dir
 from .worker import error_file, no_group_file, omp_threads, result_file, stderr_pipe, stdout_pipe
 
 STOP_GRACE_S = 2.0           # SIGTERM, then SIGKILL after this long
+LOOK_AT_CHILDREN_S = 0.5     # how often wait() notes the processes the ranks started
 
 
 class Supervisor:
@@ -51,6 +52,8 @@ class Supervisor:
         self.world_size = world_size
         self.processes = []
         self._context = None
+        self._started = set()        # processes the ranks started, as last seen (psutil.Process)
+        self._next_look = 0.0
         env = worker_env(world_size, 0, env)   # checks the settings first: nothing exists yet
         self._resources = contextlib.ExitStack()
         try:
@@ -89,6 +92,7 @@ class Supervisor:
         pending = dict(replies) if replies is not None else None
         closed = set()   # ranks whose connection ended: their exit is about to show
         while True:
+            self._note_started_processes()
             exited = {r: p.exitcode for r, p in enumerate(self.processes) if p.exitcode is not None}
             if pending is not None:
                 failed = sorted(exited)
@@ -102,6 +106,7 @@ class Supervisor:
             unfinished = (sorted(pending) if pending is not None
                           else [r for r in range(self.world_size) if r not in exited])
             if not unfinished:
+                self._note_started_processes(now=True)   # a pool's ranks live on after this cell
                 return "done", None
             left = deadline - time.monotonic()
             if left <= 0:
@@ -124,6 +129,21 @@ class Supervisor:
                 if earlier is not None:
                     deadline = min(deadline, earlier)
 
+    def _note_started_processes(self, now=False):
+        """Remember the processes the running ranks started (and what those started). A rank ends
+        them itself when it finishes, but a rank that dies by a signal or os._exit cannot, and its
+        orphans are no longer anybody's children we could ask for: stop() ends the ones noted here.
+        (psutil.Process knows its start time, so a PID used again later is never signalled.)"""
+        if not now and time.monotonic() < self._next_look:
+            return
+        self._next_look = time.monotonic() + LOOK_AT_CHILDREN_S
+        started = {p for p in self._started if p.is_running()}
+        for p in self.processes:
+            if p.exitcode is None:
+                with contextlib.suppress(psutil.Error):
+                    started.update(psutil.Process(p.pid).children(recursive=True))
+        self._started = started
+
     def dump_stacks(self, ranks, wait_s=0.5):
         """Ask stuck ranks where they are (faulthandler on SIGUSR1) and print it."""
         for r in ranks:
@@ -138,11 +158,11 @@ class Supervisor:
     def stop(self, grace_s=STOP_GRACE_S):
         """SIGTERM every rank still running and every process it started, SIGKILL what is left
         after `grace_s`, reap them all, print what they wrote last."""
-        family = []
+        family = set(self._started)
         for p in self.processes:
             if p.exitcode is None:
                 with contextlib.suppress(psutil.Error):
-                    family += psutil.Process(p.pid).children(recursive=True)
+                    family.update(psutil.Process(p.pid).children(recursive=True))
                 p.terminate()
         _signal_all(family, "terminate")
         deadline = time.monotonic() + grace_s

@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset
 from torchvision.transforms import v2
 
 from . import data, models, settings as settings_
+from .collectives import barrier  # dist.barrier() that names this rank's GPU under NCCL
 from .launcher import loopback_interface
 from .progress import METRICS_PREFIX, Log, say  # noqa: F401 (METRICS_PREFIX: for live)
 
@@ -216,7 +217,7 @@ def train(t):
     t.log.start(t, resume)
     if t.device.type == "cuda":
         torch.cuda.synchronize(t.device)
-    barrier(t)  # start the clock together, nothing left queued on the GPU
+    barrier(t.device)  # start the clock together, nothing left queued on the GPU
     start = time.perf_counter()
     for epoch in range(t.start_epoch, t.cfg.epochs):
         if t.step >= t.total_steps:
@@ -292,14 +293,14 @@ def save_checkpoint(t, path, epoch):
     """Rank 0 writes the training state while the others wait: the first barrier makes sure every rank
     finished the epoch, the second that nobody goes on before the file exists. Written under a
     temporary name and renamed: a crash mid-write never leaves half a checkpoint."""
-    barrier(t)
+    barrier(t.device)
     if t.rank == 0:
         state = {"model": t.module.state_dict(), "optimizer": t.optimizer.state_dict(),
                  "schedule": t.schedule.state_dict(), "epoch": epoch, "step": t.step}
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         torch.save(state, path + ".tmp")
         os.replace(path + ".tmp", path)
-    barrier(t)
+    barrier(t.device)
 
 
 def newest_checkpoint(pattern):
@@ -337,10 +338,6 @@ def load_checkpoint(t, path):
 def restart_count():
     """How many times torchrun has restarted the worker group (0 outside torchrun)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-
-
-def barrier(t):
-    dist.barrier(device_ids=[t.device.index] if t.device.type == "cuda" else None)  # NCCL: name the GPU
 
 
 # ---------------------------------------------------------------- 10. CLI

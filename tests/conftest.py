@@ -5,7 +5,7 @@ Waiting: this suite runs on busy 2-core machines. A test waits `seconds(s)`: `s`
 setting, DDP_HELPERS_TEST_TIME_SCALE (default 3). Raise it on a slower or busier machine; no test
 compares a wall-clock time with a tight limit.
 
-    from conftest import REPO, needs_mini, needs_gpu, needs_2_gpus, seconds
+    from conftest import REPO, MINI, needs_mini, needs_gpu, needs_2_gpus, seconds
 """
 import os
 import tempfile
@@ -20,8 +20,9 @@ from ddp_helpers.launcher import loopback_interface
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIME_SCALE = float(os.environ.get("DDP_HELPERS_TEST_TIME_SCALE", "3"))
 
+MINI = os.environ.get(data.ENV_VAR)  # the offline CIFAR-10 subset, if .ci/run (or you) set it
 needs_mini = pytest.mark.skipif(
-    not os.environ.get(data.ENV_VAR),
+    not MINI,
     reason=f"{data.ENV_VAR} is not set: .ci/run extracts the offline CIFAR-10 subset "
            "(shared/data/cifar10-png-mini.tar.gz) and sets it")
 needs_gpu = pytest.mark.skipif(machine.gpu_count() < 1, reason="needs a CUDA GPU")

@@ -1,12 +1,10 @@
 """Run a module as torchrun's workers would, without torchrun's own store (which listens on
 every interface): the store is hosted here on 127.0.0.1, each rank gets torchrun's environment."""
-import os
 import subprocess
 import sys
 
+from conftest import REPO
 from ddp_helpers.launcher import Rendezvous, worker_env
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run_module_like_torchrun(module, args, nproc=2, timeout=120):

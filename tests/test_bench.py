@@ -14,10 +14,10 @@ import torch.distributed as dist
 
 from ddp_helpers import WorkerError, bench, launch, machine, reference, torchrun
 from ddp_helpers import bench_plots as plots
+from conftest import REPO, needs_2_gpus, needs_gpu
 from like_torchrun import run_module_like_torchrun
 
 matplotlib.use("Agg")
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB = 2**20
 
 
@@ -185,11 +185,6 @@ def test_measure_starts_graph_ranks_with_graph_env(monkeypatch):
 def test_sweep_refuses_cuda_graph_with_gloo_inside_a_rank():
     with pytest.raises(WorkerError, match="cuda_graph=True needs backend='nccl'"):
         launch(bench.sweep, 2, "gloo", args=("all_reduce", [8]), kwargs={"cuda_graph": True}, quiet=True)
-
-
-needs_gpu = pytest.mark.skipif(machine.gpu_count() < 1, reason="needs a CUDA GPU")
-needs_2_gpus = pytest.mark.skipif(machine.gpu_count() < 2 or not dist.is_nccl_available(),
-                                  reason="needs 2 CUDA GPUs and NCCL")
 
 
 @needs_2_gpus

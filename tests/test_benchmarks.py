@@ -9,12 +9,7 @@ import time
 
 import pytest
 
-from ddp_helpers import data
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MINI = os.environ.get(data.ENV_VAR)
-needs_mini = pytest.mark.skipif(
-    not MINI, reason=f"{data.ENV_VAR} is not set: .ci/run extracts the offline CIFAR-10 subset and sets it")
+from conftest import MINI, REPO, needs_mini
 
 
 def benchmark(script, *args, timeout=180):

@@ -33,13 +33,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TIME_SCALE = float(os.environ.get("DDP_HELPERS_TEST_TIME_SCALE", "3"))
-
-
-def seconds(s):
-    """A deadline of `s` seconds on an idle machine, stretched for a busy one (as the other tests do)."""
-    return s * TIME_SCALE
+from conftest import REPO, needs_mini, seconds
 
 CHROMIUM = os.environ.get("DDP_HELPERS_CHROMIUM", "/usr/bin/chromium")
 
@@ -384,10 +378,6 @@ def _start_training(nb):
     return index
 
 
-needs_data = pytest.mark.skipif(not os.environ.get("DDP_HELPERS_CIFAR10"),
-                                reason="DDP_HELPERS_CIFAR10 is not set: .ci/run extracts the offline CIFAR-10 subset")
-
-
 def _wait_for_workers(nb, timeout):
     kernel = nb.kernel()
     deadline = time.monotonic() + timeout
@@ -449,7 +439,7 @@ def test_interrupt_button_stops_a_running_ddp_cell(open_notebook, lab, ranks):
     _assert_interrupted(nb, 1, kernel, workers)
 
 
-@needs_data
+@needs_mini
 def test_06_live_view_updates_in_place_and_the_interrupt_button_stops_the_training(open_notebook):
     nb = open_notebook("notebooks/06_ddp_cifar10.ipynb")
     index = _start_training(nb)

@@ -14,11 +14,7 @@ from PIL import Image
 
 from ddp_helpers import data
 from ddp_helpers.data import DataNotFoundError, DeviceLoader, Split
-
-MINI = os.environ.get(data.ENV_VAR)
-needs_mini = pytest.mark.skipif(
-    not MINI, reason=f"{data.ENV_VAR} is not set: .ci/run extracts the offline CIFAR-10 subset "
-                     f"(shared/data/cifar10-png-mini.tar.gz) and sets it")
+from conftest import MINI, needs_mini
 
 
 def closed_port_url():

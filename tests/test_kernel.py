@@ -1,11 +1,9 @@
 """launch and %%ddp inside a real Jupyter kernel: interrupt, kernel death, the cell magic."""
 import os
 import signal
-import sys
 import time
 
 import nbformat
-import pytest
 from jupyter_client import KernelManager
 from nbclient import NotebookClient
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from ddp_helpers import WorkerError, WorkerTimeout, launch
 from ddp_helpers import launcher as launch_module
 from ddp_helpers import run_dirs as run_dirs_module
-from conftest import REPO, seconds
+from conftest import REPO, needs_2_gpus, seconds
 
 
 # ---- worker functions (module level: cloudpickle sends them by reference) ----
@@ -362,7 +362,7 @@ def nccl_sum():
     return t.item(), torch.cuda.current_device(), dist.get_backend()
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@needs_2_gpus
 def test_nccl_on_gpus_one_device_per_rank_without_cuda_in_the_launcher():
     assert launch(nccl_sum, 2, backend="nccl") == [(3.0, 0, "nccl"), (3.0, 1, "nccl")]
     assert launch(nccl_sum, 2, backend="auto")[1] == (3.0, 1, "nccl")
@@ -675,14 +675,23 @@ def start_a_grandchild(folder, then):
         f.write(str(child.pid))
     if then == "hang":
         time.sleep(600)
+    elif then in ("os._exit", "SIGKILL"):   # the rank cannot end its child itself
+        time.sleep(seconds(1))             # (the launcher looks at what the ranks started twice a second)
+        if then == "os._exit":
+            os._exit(3)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
-@pytest.mark.parametrize("then", ["return", "hang"])
+@pytest.mark.parametrize("then", ["return", "hang", "os._exit", "SIGKILL"])
 def test_processes_a_rank_started_end_with_the_launch(tmp_path, then):
     try:
         launch(start_a_grandchild, 2, args=(str(tmp_path), then), timeout=seconds(3), quiet=True)
     except WorkerTimeout:
         assert then == "hang"
+    except WorkerError as err:
+        assert then in ("os._exit", "SIGKILL"), str(err)
+    else:
+        assert then == "return"
     children = [int((tmp_path / f"child{r}").read_text()) for r in range(2)]
     deadline = time.monotonic() + seconds(2)
     while any(map(pid_alive, children)) and time.monotonic() < deadline:

@@ -6,8 +6,6 @@ import sys
 
 import nbformat
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 def run_notebook_tests(tmp_path, data_folder):
     nb = nbformat.v4.new_notebook()

@@ -106,6 +106,18 @@ def test_worker_death_is_reported_and_the_pool_restarts(pool):
     assert set(pids(pool)).isdisjoint(old)
 
 
+def test_processes_a_rank_started_end_when_it_is_killed(pool):
+    children = pool.run_cell("import subprocess\nchild = subprocess.Popen(['sleep', '300'])\nchild.pid")
+    assert all(map(pid_alive, children))
+    with pytest.raises(WorkerError, match="rank 0 was killed by signal SIGKILL"):
+        pool.run_cell("import os, signal, time\nif rank == 0:\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+                      "time.sleep(600)")
+    deadline = time.monotonic() + seconds(2)
+    while any(map(pid_alive, children)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(map(pid_alive, children)), "a process a pool rank started outlived it"
+
+
 def test_timeout_names_stuck_ranks_and_restarts(pool):
     with pytest.raises(WorkerTimeout) as info:
         pool.run_cell("import time\nif rank == 2:\n    time.sleep(600)", timeout=1.5)

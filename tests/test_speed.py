@@ -15,12 +15,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ddp_helpers import data, launch, live, machine, models, speed, train
+from conftest import needs_2_gpus, needs_gpu, needs_mini
 
-needs_mini = pytest.mark.skipif(
-    not os.environ.get(data.ENV_VAR),
-    reason=f"{data.ENV_VAR} is not set: .ci/run extracts the offline CIFAR-10 subset and sets it")
-needs_gpu = pytest.mark.skipif(machine.gpu_count() < 1, reason="needs a CUDA GPU")
-needs_2_gpus = pytest.mark.skipif(machine.gpu_count() < 2, reason="needs 2 CUDA GPUs")
 # A few seconds of CPU work on the mini set, on 2 ranks: 500 training images, a 0.01M-parameter net.
 TINY = dict(width=8, per_class=50, test_per_class=10, batch_size=25, lr=0.4, log_every=5, verbose=False)
 # Less than a second in this process, on the CPU: 50 training images, 5 steps of 10 per epoch, 20 test images.

@@ -36,11 +36,9 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_helpers import WorkerError, data, launch, live, machine, models, torchrun, train
+from conftest import needs_mini
 from like_torchrun import run_module_like_torchrun
 
-needs_mini = pytest.mark.skipif(
-    not os.environ.get(data.ENV_VAR),
-    reason=f"{data.ENV_VAR} is not set: .ci/run extracts the offline CIFAR-10 subset and sets it")
 # A few seconds of CPU work on the mini set, on 2 ranks: 500 training images, a 0.01M-parameter net.
 TINY = dict(width=8, per_class=50, test_per_class=10, batch_size=25, lr=0.4, log_every=5, verbose=False)
 # Less than a second in this process, on the CPU: 50 training images, 5 steps of 10 per epoch, 20 test images.
