@@ -193,17 +193,21 @@ def _outcome(ranks, timeout, quiet):
             f"never calls it waits forever; their stacks are {where}. Logs: {run_dir}",
             unfinished_ranks=detail, log_dir=run_dir)
     if outcome == "failed":
+        gone = ranks.gone()   # ended, their status not in yet: noted before stop() ends every rank
         ranks.stop()   # the others; what they printed last comes first
+        detail = sorted(set(detail) | {r for r in gone
+                                        if ranks.processes[r].exitcode != 0 or not finished(r)})
         raise _failure_error(run_dir, ranks.processes, detail)
     return [_read_result(run_dir, r) for r in range(n)]
 
 
 def _failure_error(run_dir, processes, failed):
-    """The error naming the rank that failed first. Ranks that crashed or left early (no Python
-    exception) come before ranks that raised: when one rank dies in a collective, its peers
-    raise "Connection closed by peer" a moment later."""
+    """The error naming the rank that failed first. When one rank dies or raises in a collective,
+    its peers raise "Connection closed by peer" a moment later. So ranks that crashed or left
+    early (no Python exception) come first, then ranks that raised an error of their own, then
+    ranks whose error says that a peer went away; the lowest rank within each."""
     records = {r: _read_error(run_dir, r) for r in range(len(processes))}
-    first = min(failed, key=lambda r: (records[r] is not None, r))
+    first = min(failed, key=lambda r: (records[r] is not None, _lost_a_peer(records[r]), r))
     failures = {r: _describe_exit(run_dir, r, p.exitcode, records[r]) for r, p in enumerate(processes)
                 if r != first and p.exitcode not in (0, None)}
     failures[first] = _describe_exit(run_dir, first, processes[first].exitcode, records[first])
@@ -214,6 +218,13 @@ def _failure_error(run_dir, processes, failed):
     tail = f"\n({note})" if note else ""
     return WorkerError(f"rank {first} {failures[first]}. Full logs: {run_dir}{tail}",
                        rank=first, log_dir=run_dir, failures=failures)
+
+
+PEER_WENT_AWAY = ("closed by peer", "reset by peer", "Broken pipe")   # Gloo's words for it
+
+
+def _lost_a_peer(record):
+    return bool(record) and any(words in record["message"] for words in PEER_WENT_AWAY)
 
 
 def error_from_record(rank, record, run_dir, note="", failures=None):

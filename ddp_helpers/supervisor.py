@@ -144,6 +144,22 @@ class Supervisor:
                     started.update(psutil.Process(p.pid).children(recursive=True))
         self._started = started
 
+    def gone(self):
+        """Ranks whose process has ended although its exit status has not arrived yet: under the
+        forkserver start method the status comes from the fork server, a moment later, and a rank
+        killed by a signal can look alive when its peers' errors ("Connection reset") are already in."""
+        ended = []
+        for r, p in enumerate(self.processes):
+            if p.exitcode is None:
+                try:
+                    if psutil.Process(p.pid).status() == psutil.STATUS_ZOMBIE:
+                        ended.append(r)
+                except psutil.NoSuchProcess:
+                    ended.append(r)
+                except psutil.Error:
+                    pass
+        return ended
+
     def dump_stacks(self, ranks, wait_s=0.5):
         """Ask stuck ranks where they are (faulthandler on SIGUSR1) and print it."""
         for r in ranks:

@@ -1,13 +1,16 @@
 """Every promise of ddp_helpers.launch, on CPU with Gloo."""
 import multiprocessing
 import os
+import pickle
 import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+import types
 
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
@@ -212,6 +215,83 @@ def test_rank_killed_by_signal_is_reported(signum):
     assert info.value.rank == 1
     assert f"killed by signal {signum.name}" in str(info.value)
     assert time.monotonic() - start < seconds(5)
+
+
+class _RanksWhoseExitStatusIsLate:
+    """What the launcher sees under the forkserver start method when rank 0 has failed and
+    rank 1 has already ended: rank 1's process is gone, but its exit status comes from the fork
+    server a moment later (seen on an H200 box: a SIGKILLed rank 1 looked alive, rank 0 was blamed)."""
+
+    def __init__(self, run_dir, rank1_exitcode):
+        self.run_dir, self.world_size = str(run_dir), 2
+        self.processes = [types.SimpleNamespace(exitcode=1), types.SimpleNamespace(exitcode=None)]
+        self._late = rank1_exitcode
+
+    def wait(self, deadline, **_):
+        return "failed", [0]
+
+    def gone(self):
+        return [1]
+
+    def stop(self):   # joins every rank: now rank 1's status is in
+        self.processes[1].exitcode = self._late
+
+
+def _raised(run_dir, rank, exc_type, message):
+    with open(launch_module.error_file(str(run_dir), rank), "wb") as f:
+        pickle.dump({"type": exc_type, "message": message, "traceback": "Traceback ...\n"}, f)
+
+
+def _rank_0_raised(run_dir):
+    _raised(run_dir, 0, "DistBackendError", "[pair.cc:547] Connection reset by peer [127.0.0.1]:18845")
+
+
+def test_a_rank_with_an_error_of_its_own_is_blamed_before_a_rank_that_lost_its_peer(tmp_path):
+    # seen on an H200 box: rank 1 raised ValueError, rank 0 in all_reduce then "Connection closed
+    # by peer", and both statuses were in when the launcher looked: rank 0 was blamed
+    _raised(tmp_path, 0, "RuntimeError", "[pair.cc:547] Connection closed by peer [127.0.0.1]:18845")
+    _raised(tmp_path, 1, "ValueError", "bad value on purpose")
+    both = [types.SimpleNamespace(exitcode=1), types.SimpleNamespace(exitcode=1)]
+    err = launch_module._failure_error(str(tmp_path), both, [0, 1])
+    assert err.rank == 1 and err.exc_type == "ValueError", str(err)
+    assert err.failures[0].startswith("raised RuntimeError")
+
+
+def test_gone_names_ended_ranks_whose_exit_status_has_not_arrived():
+    from ddp_helpers.supervisor import Supervisor
+    ended, alive = subprocess.Popen(["true"]), subprocess.Popen(["sleep", "60"])
+    try:
+        deadline = time.monotonic() + seconds(10)
+        while psutil.Process(ended.pid).status() != psutil.STATUS_ZOMBIE:   # ended, not reaped
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        ranks = types.SimpleNamespace(processes=[
+            types.SimpleNamespace(pid=alive.pid, exitcode=None),
+            types.SimpleNamespace(pid=ended.pid, exitcode=None),    # its status not in yet
+            types.SimpleNamespace(pid=ended.pid, exitcode=0)])      # its status in: not "gone"
+        assert Supervisor.gone(ranks) == [1]
+    finally:
+        alive.kill()
+        alive.wait()
+        ended.wait()
+
+
+def test_a_rank_killed_before_its_exit_status_arrived_is_blamed(tmp_path):
+    _rank_0_raised(tmp_path)
+    with pytest.raises(WorkerError) as info:
+        launch_module._outcome(_RanksWhoseExitStatusIsLate(tmp_path, -signal.SIGKILL), 60, True)
+    assert info.value.rank == 1, str(info.value)
+    assert "killed by signal SIGKILL" in str(info.value)
+
+
+def test_a_rank_that_finished_before_its_exit_status_arrived_is_not_blamed(tmp_path):
+    _rank_0_raised(tmp_path)
+    with open(launch_module.result_file(str(tmp_path), 1), "wb") as f:
+        pickle.dump("rank 1's value", f)
+    with pytest.raises(WorkerError) as info:
+        launch_module._outcome(_RanksWhoseExitStatusIsLate(tmp_path, 0), 60, True)
+    assert info.value.rank == 0, str(info.value)
+    assert "Connection reset by peer" in str(info.value)
 
 
 def test_exit_code_without_exception_is_reported():
