@@ -6,6 +6,8 @@ setting, DDP_HELPERS_TEST_TIME_SCALE (default 3). Raise it on a slower or busier
 compares a wall-clock time with a tight limit.
 
     from conftest import REPO, MINI, needs_mini, needs_gpu, needs_2_gpus, seconds
+
+A module whose tests share one 2-rank launch: `launch_two_ranks_once` in its `two_ranks` fixture.
 """
 import os
 import tempfile
@@ -15,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ddp_helpers import data, machine
-from ddp_helpers.launcher import loopback_interface
+from ddp_helpers.launcher import launch, loopback_interface
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIME_SCALE = float(os.environ.get("DDP_HELPERS_TEST_TIME_SCALE", "3"))
@@ -44,6 +46,16 @@ def own_launch_folders(tmp_path_factory):
     tempfile.tempdir = str(tmp_path_factory.mktemp("launches"))
     yield
     tempfile.tempdir = saved
+
+
+def launch_two_ranks_once(on_two_ranks, tmp_path_factory):
+    """For a module's `two_ranks` fixture: one 2-rank Gloo launch of `on_two_ranks(folder)`, whose
+    results the module's tests share (each launch costs seconds); skipped without the data."""
+    if not MINI:
+        pytest.skip(f"{data.ENV_VAR} is not set")
+    folder = tmp_path_factory.mktemp("checkpoints")
+    return folder, launch(on_two_ranks, world_size=2, backend="gloo", args=(str(folder),),
+                          timeout=seconds(60), quiet=True)
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ augmentation, the data loaders, the DDP options and CUDA graphs (GPU only).
 The reference trainer it plugs into (ddp_helpers.train) is tested in test_train.py."""
 import copy
 import inspect
-import os
 import warnings
 
 import pytest
@@ -15,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ddp_helpers import data, launch, live, machine, models, speed, train
-from conftest import needs_2_gpus, needs_gpu, needs_mini
+from conftest import launch_two_ranks_once, needs_2_gpus, needs_gpu, needs_mini
 
 # A few seconds of CPU work on the mini set, on 2 ranks: 500 training images, a 0.01M-parameter net.
 TINY = dict(width=8, per_class=50, test_per_class=10, batch_size=25, lr=0.4, log_every=5, verbose=False)
@@ -416,10 +415,7 @@ def on_two_ranks(folder):
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    if not os.environ.get(data.ENV_VAR):
-        pytest.skip(f"{data.ENV_VAR} is not set")
-    folder = tmp_path_factory.mktemp("checkpoints")
-    return folder, launch(on_two_ranks, world_size=2, backend="gloo", args=(str(folder),), timeout=180, quiet=True)
+    return launch_two_ranks_once(on_two_ranks, tmp_path_factory)
 
 
 def test_default_speed_settings_raise_no_deprecation_warning(two_ranks):

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_helpers import WorkerError, data, launch, live, machine, models, torchrun, train
-from conftest import needs_mini
+from conftest import launch_two_ranks_once, needs_mini
 from like_torchrun import run_module_like_torchrun
 
 # A few seconds of CPU work on the mini set, on 2 ranks: 500 training images, a 0.01M-parameter net.
@@ -345,10 +345,7 @@ def on_two_ranks(folder):
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    if not os.environ.get(data.ENV_VAR):
-        pytest.skip(f"{data.ENV_VAR} is not set")
-    folder = tmp_path_factory.mktemp("checkpoints")
-    return folder, launch(on_two_ranks, world_size=2, backend="gloo", args=(str(folder),), timeout=180, quiet=True)
+    return launch_two_ranks_once(on_two_ranks, tmp_path_factory)
 
 
 def test_ddp_gradients_equal_hand_averaged_gradients(two_ranks):
