@@ -11,6 +11,7 @@ DTensor the local shard's storage.
 import torch
 import torch.distributed as dist
 
+from .collectives import renamed
 from .exercises import Verdict
 from .launcher import WorkerError, WorkerTimeout, launch
 
@@ -308,7 +309,7 @@ def solution_shard(full, rank, world_size):
 
 def all_gather_single(output, input):
     """dist.all_gather_single (torch 2.14's name) or dist.all_gather_into_tensor (older torch)."""
-    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(output, input)
+    return renamed("all_gather_single")(output, input)
 
 
 def solution_reassemble(shard, rows):

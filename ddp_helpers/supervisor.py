@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.multiprocessing
 
 from . import machine
-from .run_dirs import new_run_dir, release_run_dir
+from .run_dirs import new_run_dir, process_alive, release_run_dir
 from .worker import error_file, no_group_file, omp_threads, result_file, stderr_pipe, stdout_pipe
 
 STOP_GRACE_S = 2.0           # SIGTERM, then SIGKILL after this long
@@ -148,17 +148,7 @@ class Supervisor:
         """Ranks whose process has ended although its exit status has not arrived yet: under the
         forkserver start method the status comes from the fork server, a moment later, and a rank
         killed by a signal can look alive when its peers' errors ("Connection reset") are already in."""
-        ended = []
-        for r, p in enumerate(self.processes):
-            if p.exitcode is None:
-                try:
-                    if psutil.Process(p.pid).status() == psutil.STATUS_ZOMBIE:
-                        ended.append(r)
-                except psutil.NoSuchProcess:
-                    ended.append(r)
-                except psutil.Error:
-                    pass
-        return ended
+        return [r for r, p in enumerate(self.processes) if p.exitcode is None and not process_alive(p.pid)]
 
     def dump_stacks(self, ranks, wait_s=0.5):
         """Ask stuck ranks where they are (faulthandler on SIGUSR1) and print it."""
