@@ -10,12 +10,6 @@ GRADIENT_WRITTEN = "torch::autograd::AccumulateGrad"     # a parameter's .grad i
 DDP_LAUNCH = "c10d::allreduce_"                          # DDP hands a bucket to the process group
 GLOO_ALL_REDUCE = "gloo:all_reduce"                      # Gloo's thread runs that all-reduce
 
-# Gloo's thread closes its record of an all-reduce just after the all-reduce completes, so
-# `backward()` can return, and a profile end, before the record is closed: the record is then
-# missing. Profile a moment longer: `time.sleep(0.2)` inside the `with profile(...)` block.
-# Measured (1xH200 box, torch 2.11, 2 ranks pinned to 2 of its cores, 2026-12-02): records were
-# missing in 11 of 30 profiles without the pause, in 0 of 30 with a 0.05 s pause.
-
 
 def profiler_events(prof):
     """(name, start_ms, end_ms, input_shapes) of every CPU event of a finished `torch.profiler.profile`.
@@ -26,9 +20,11 @@ def profiler_events(prof):
     return [(e.name, e.time_range.start / 1e3, e.time_range.end / 1e3, e.input_shapes) for e in prof.events()]
 
 
-def gloo_events(prof):
-    """`profiler_events(prof)`, after checking that Gloo's thread recorded every all-reduce that was
-    started (each `c10d::allreduce_` has its `gloo:all_reduce`)."""
+def checked_events(prof):
+    """`profiler_events(prof)`, after checking that each all-reduce started (`c10d::allreduce_`, on
+    the caller's thread) has Gloo's record (`gloo:all_reduce`). Gloo's thread closes that record just
+    after the all-reduce completes, so backward can return and the profile end first; the record is
+    then missing (11 of 30 profiles on 2 busy cores, torch 2.11; none with a 0.05 s pause)."""
     events = profiler_events(prof)
     started = sum(name == DDP_LAUNCH for name, *_ in events)
     recorded = sum(name == GLOO_ALL_REDUCE for name, *_ in events)
@@ -50,7 +46,7 @@ def backward_timeline(prof):
     launches_ms:    when DDP started each bucket's all-reduce (on the backward thread)
     all_reduces_ms: (start, end) of each all-reduce as Gloo's own thread ran it
     """
-    events = gloo_events(prof)
+    events = checked_events(prof)
     backward = [(s, e) for name, s, e, _ in events if name.startswith(BACKWARD_PREFIX)]
     if not backward:
         raise ValueError("no autograd events in this profile: profile a loss.backward() call")
@@ -66,5 +62,5 @@ def backward_timeline(prof):
 def all_reduce_sizes(prof):
     """The number of elements of each Gloo all-reduce in a profile made with `record_shapes=True`,
     in the order they started."""
-    runs = sorted((s, shapes) for name, s, _, shapes in gloo_events(prof) if name == GLOO_ALL_REDUCE)
+    runs = sorted((s, shapes) for name, s, _, shapes in checked_events(prof) if name == GLOO_ALL_REDUCE)
     return [shapes[0][0] if shapes and shapes[0] else None for _, shapes in runs]
