@@ -40,6 +40,7 @@ import torch  # noqa: E402
 import torchvision  # noqa: E402
 
 from ddp_helpers import data, launch, machine, settings, speed, train  # noqa: E402
+from ddp_helpers.perf_lab import counted_throughput  # noqa: E402,F401  (images/s after a warm-up)
 
 # The measured recipes are in ddp_helpers/speed/recipes.py, with how they were chosen.
 # epochs: enough for max_steps. Losses are gathered (and the GPU waited for) every 25 steps:
@@ -113,14 +114,6 @@ def timed_fast_runs(settings, seeds):
 
 
 # ------------------------------------------------------------------ measuring
-def counted_throughput(record, warmup_steps):
-    """Images per second over the steps after the warm-up, all ranks together."""
-    steps = record["steps"][warmup_steps:]
-    images_per_step = record["config"]["batch_size"] * record["world_size"]
-    seconds = sum(images_per_step / s["images_per_s"] for s in steps)  # each step's share of its window
-    return len(steps) * images_per_step / seconds
-
-
 def curve(record, every=1):
     """A light copy of a record's per-step curve for the notebook's plots."""
     keep = ("step", "epoch", "loss", "images_per_s", "peak_memory_gb")

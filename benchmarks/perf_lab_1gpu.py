@@ -14,7 +14,7 @@ compiling adds 10-30 s; one repeat of everything took 3.6 minutes there):
      cuda_graph          forward and backward recorded once as a CUDA graph, then replayed
      compile             the model compiled by torch.compile (fewer, fused kernels), eager steps
      compile_cuda_graph  the compiled model's forward and backward captured in a CUDA graph
-   Images/s are counted after the first --warmup-steps steps (ddp_cifar_gpu.counted_throughput):
+   Images/s are counted after the first --warmup-steps steps (ddp_helpers.perf_lab.counted_throughput):
    compiling, cuDNN's autotuning and the graph capture all happen during the warm-up, whose cost
    each run's train_seconds still shows. A mode that fails (a compiled model may refuse capture)
    is recorded with its error message and not tried again; the others go on.
@@ -45,19 +45,9 @@ import ddp_cifar_gpu as bench  # noqa: E402  (also puts the repository on the pa
 import torch  # noqa: E402
 
 from ddp_helpers import WorkerError, data, launch, machine, speed  # noqa: E402
+from ddp_helpers.perf_lab import LOADERS, MODELS, MODES  # noqa: E402
 
-# How a step is made: CUDA graph and torch.compile, each on or off.
-MODES = {"eager": dict(cuda_graph=False, compile=False),
-         "cuda_graph": dict(cuda_graph=True, compile=False),
-         "compile": dict(cuda_graph=False, compile=True),
-         "compile_cuda_graph": dict(cuda_graph=True, compile=True)}
-# Who feeds the step (ResNet-18 with CUDA graphs).
-LOADERS = {"DataLoader": dict(device_loader=False), "DeviceLoader": dict(device_loader=True)}
-# The recipes without their step mode (MODES sets it); epochs: enough for any --steps; losses
-# gathered (and the GPU waited for) every 25 steps.
-MODELS = {name: dict({k: v for k, v in recipe.items() if k not in MODES["eager"]}, batch_size=batch,
-                     epochs=100, log_every=25)
-          for name, recipe, batch in [("resnet18", speed.recipes.RESNET, 256), ("fastnet", speed.recipes.FAST, 512)]}
+# MODES (eager / CUDA graph / compile), LOADERS and MODELS: the settings notebook 07 runs live too.
 
 
 def parse_args(argv=None):
