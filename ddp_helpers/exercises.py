@@ -792,3 +792,147 @@ def check_mean_loss(fn):
         if printers != [0]:
             problems.append(f"{label}: rank(s) {printers or 'none'} printed; only rank 0 should print the mean")
     return Verdict(title, problems)
+
+
+# ------------------------------------------------------------------ notebook 07: a compression comm hook
+_FP16_MAX = 65504.0
+
+
+def _hook_model():
+    """The model the hook checker uses: 2 buckets' worth of gradients (bucket_cap_mb below)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
+
+
+def _compress_hook_in_rank(hook, scale):
+    """Inside a rank: this rank's gradients (a loss times `scale`), their true mean in float32 (the
+    real all_reduce, before the learner's code runs), then one backward of the same loss through DDP
+    with `hook` registered, every dist.all_reduce noted (dtype, bytes) and any other collective named."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(24, 32, generator=g), torch.randn(24, 8, generator=g)
+    shard = slice(rank * 24 // world_size, (rank + 1) * 24 // world_size)
+
+    def loss_of(model):
+        return scale * (model(x[shard]) - y[shard]).square().sum()
+
+    plain = _hook_model()
+    loss_of(plain).backward()
+    local = [p.grad.clone() for p in plain.parameters()]
+    mean = [t.clone() for t in local]
+    for t in mean:
+        dist.all_reduce(t)
+        t /= world_size
+    model = DDP(_hook_model(), bucket_cap_mb=0.004)   # 4 KB: the gradients travel in 2 buckets
+    model.register_comm_hook(None, hook)
+    calls, original = [], dist.all_reduce
+
+    def noting_all_reduce(tensor, *args, **kwargs):
+        calls.append({"dtype": str(tensor.dtype).replace("torch.", ""), "bytes": tensor.numel() * tensor.element_size()})
+        return original(tensor, *args, **kwargs)
+
+    error = None
+    dist.all_reduce = noting_all_reduce
+    try:
+        with _noting_calls(_NOT_ONE_ALL_REDUCE) as others:
+            loss_of(model).backward()
+    except Exception as err:            # a hook's error surfaces from backward(), often wrapped
+        error = f"{type(err).__name__}: {err}"
+    finally:
+        dist.all_reduce = original
+    return {"error": error, "calls": calls, "others": others, "local": local, "mean": mean,
+            "got": [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()],
+            "grad_bytes": sum(t.numel() * t.element_size() for t in local)}
+
+
+def _compress_problem(result, world_size, overflow_case):
+    """What is wrong on one rank, or None."""
+    if result["others"]:
+        used = sorted(set(result["others"]), key=result["others"].index)
+        return (f"your hook called {', '.join(f'dist.{name}' for name in used)}: one all_reduce of the "
+                f"compressed bucket is all it needs")
+    calls = result["calls"]
+    if not calls:
+        return ("no dist.all_reduce was called: the hook must all-reduce the compressed bucket "
+                "(dist.all_reduce(compressed, async_op=True).get_future())")
+    sent, full = sum(c["bytes"] for c in calls), result["grad_bytes"]
+    dtypes = sorted({c["dtype"] for c in calls})
+    if dtypes != ["float16"]:
+        return (f"your all_reduce(s) sent {', '.join(dtypes)} tensors ({sent} bytes for {full} bytes of float32 "
+                f"gradients): compress each bucket to torch.float16 first, half the bytes")
+    if sent != full // 2:
+        return (f"your all_reduce(s) sent {sent} bytes; the gradients in float16 are {full // 2} bytes "
+                f"(each bucket once)")
+    got, mean, local = result["got"], result["mean"], result["local"]
+    if any(g is None for g in got):
+        return "a parameter has no .grad after backward: return a future whose value is the bucket's float32 tensor"
+
+    def close(a, b, rtol=4e-3):
+        return all(x.shape == y.shape and torch.isfinite(x).all() and
+                   torch.allclose(x.float(), y, rtol=rtol, atol=rtol * y.abs().max().item()) for x, y in zip(a, b))
+
+    if close(got, mean):
+        return None
+    if any(not torch.isfinite(g).all() for g in got):
+        return ("the averaged gradients hold inf: the sum over the ranks overflowed float16 (largest value "
+                f"{_FP16_MAX:g}); divide by the world size BEFORE the all-reduce, so the sum is already a mean"
+                if overflow_case else "the averaged gradients hold inf or nan")
+    if close(got, [t * world_size for t in mean]):
+        return "the gradients are the sum over the ranks, not the mean: divide by dist.get_world_size()"
+    if close(got, local):
+        return ("the gradients are still this rank's own: the future's value must be the all-reduced bucket, "
+                "cast back to float32")
+    return "the gradients differ from the mean over the ranks by more than float16's rounding"
+
+
+def check_fp16_compress_hook(hook):
+    """Notebook 07: `hook(state, bucket)`, a DDP comm hook that averages each bucket's gradients in
+    float16. Run by DDP on real ranks (2 and 3) with dist.all_reduce wrapped: the dtype and bytes
+    sent (half of float32's, each bucket once), the averaged gradients against the true mean (within
+    float16's rounding), and one case whose sum overflows float16 while its mean does not."""
+    title = hook.__name__ if callable(hook) else "hook"
+    if not callable(hook):
+        return Verdict(title, [f"expected a function hook(state, bucket), got {type(hook).__name__}"])
+    problems = []
+    for world_size, scale in ((2, 1.0), (3, 1.0), (2, None)):
+        overflow_case = scale is None
+        label = f"world_size={world_size}" + (", gradients near float16's limit" if overflow_case else "")
+        if overflow_case:   # each rank's gradients just inside float16's range, their sum beyond it
+            largest_own, largest_sum = _largest_gradients(world_size)
+            scale = 0.95 * _FP16_MAX / largest_own
+            assert largest_sum * scale > 1.1 * _FP16_MAX, "the checker's data no longer overflows float16"
+        try:
+            results = launch(_compress_hook_in_rank, world_size, args=(hook, scale), timeout=30, quiet=True)
+        except WorkerTimeout as err:
+            problems.append(f"{label}: rank(s) {err.unfinished_ranks} never finished: every rank's hook must "
+                            f"all-reduce each bucket once")
+            break
+        except WorkerError as err:
+            problems.append(f"{label}: {str(err).splitlines()[0][:300]}")
+            continue
+        errors = [r["error"] for r in results if r["error"]]
+        if errors:
+            if "NotImplementedError" in errors[0]:
+                return Verdict(title, [f"{title} still raises NotImplementedError: fill in the stub"])
+            problems.append(f"{label}: backward() failed in your hook: {errors[0].splitlines()[0][:300]}")
+            continue
+        wrong = {rank: p for rank, r in enumerate(results) if (p := _compress_problem(r, world_size, overflow_case))}
+        if wrong:
+            rank, problem = next(iter(wrong.items()))
+            problems.append(f"{label}, rank {rank}: {problem}")
+    return Verdict(title, problems)
+
+
+def _largest_gradients(world_size):
+    """The largest |gradient| of any rank, and the largest |sum over the ranks| of a gradient, with
+    scale 1 (the checker's data is fixed)."""
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(24, 32, generator=g), torch.randn(24, 8, generator=g)
+    own = []
+    for rank in range(world_size):
+        model = _hook_model()
+        shard = slice(rank * 24 // world_size, (rank + 1) * 24 // world_size)
+        (model(x[shard]) - y[shard]).square().sum().backward()
+        own.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    return max(g.abs().max().item() for g in own), sum(own).abs().max().item()

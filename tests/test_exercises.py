@@ -368,3 +368,56 @@ def test_mean_loss_checker():
                           "every rank must call the same collectives") in repr(extra), repr(extra)
     stub = exercises.check_mean_loss(still_a_stub)
     assert not stub and "still raises NotImplementedError" in repr(stub)
+
+
+# ------------------------------------------------------------------ notebook 07: the fp16 compression hook
+def fp16_hook_without_dividing(state, bucket):
+    buffer = bucket.buffer()
+    fut = dist.all_reduce(buffer.to(torch.float16), async_op=True).get_future()
+    return fut.then(lambda f: buffer.copy_(f.value()[0]))
+
+
+def fp16_hook_dividing_after_the_sum(state, bucket):
+    buffer = bucket.buffer()
+    fut = dist.all_reduce(buffer.to(torch.float16), async_op=True).get_future()
+    return fut.then(lambda f: buffer.copy_(f.value()[0] / dist.get_world_size()))
+
+
+def float32_hook(state, bucket):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    return default_hooks.allreduce_hook(None, bucket)
+
+
+def fp16_hook_twice(state, bucket):
+    buffer = bucket.buffer()
+    half = (buffer / dist.get_world_size()).half()
+    dist.all_reduce(half.clone())
+    fut = dist.all_reduce(half, async_op=True).get_future()
+    return fut.then(lambda f: buffer.copy_(f.value()[0]))
+
+
+def fp16_hook_stub(state, bucket):
+    raise NotImplementedError("Try it")
+
+
+def test_fp16_compress_hook_checker_accepts_the_solution_and_pytorchs_own_hook():
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    verdict = exercises.check_fp16_compress_hook(solutions.fp16_compress)
+    assert verdict, repr(verdict)
+    assert exercises.check_fp16_compress_hook(default_hooks.fp16_compress_hook)
+
+
+def test_fp16_compress_hook_checker_names_each_wrong_answer():
+    float32 = repr(exercises.check_fp16_compress_hook(float32_hook))
+    assert "sent float32 tensors" in float32 and "half the bytes" in float32
+    summed = repr(exercises.check_fp16_compress_hook(fp16_hook_without_dividing))
+    assert "the sum over the ranks, not the mean" in summed
+    # Right on ordinary gradients; only the case whose sum overflows float16 shows the order is wrong.
+    after = exercises.check_fp16_compress_hook(fp16_hook_dividing_after_the_sum)
+    assert not after and len(after.problems) == 1
+    assert "near float16's limit" in after.problems[0] and "BEFORE the all-reduce" in after.problems[0]
+    twice = repr(exercises.check_fp16_compress_hook(fp16_hook_twice))
+    assert "bytes" in twice and "each bucket once" in twice
+    stub = exercises.check_fp16_compress_hook(fp16_hook_stub)
+    assert stub.problems == ["fp16_hook_stub still raises NotImplementedError: fill in the stub"]
+    assert "expected a function" in repr(exercises.check_fp16_compress_hook(None))
