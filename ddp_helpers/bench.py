@@ -310,13 +310,26 @@ def hardware_name(device):
 
 
 # -------------------------------------------------------------------- sweep
+def warm_up(collective, counts, dtype, device, calls, timed, cuda_graph=False):
+    """Untimed calls before a sweep, as nccl-tests' TimeTest does (`src/common.cu`: its warm-up
+    iterations at the largest size, then at the smallest): the first calls of a process pay one-time
+    costs (the connections' first use, buffers and pages touched for the first time, NCCL's
+    communicator) that would otherwise land on the first size timed. Each size runs through `timed`,
+    its result thrown away, so that a timer of one's own (and a CUDA graph) is warmed up too."""
+    for count in counts:
+        call = prepare(collective, count, dtype, device)[0]
+        timed(call, 1, calls, device, cuda_graph)
+        del call
+
+
 def sweep(collective, sizes, dtype=torch.float32, device="cpu", iters=20, warmup=5, cuda_graph=False,
           verbose=False, timer=None):
     """Measure `collective` at each requested size (bytes); run on every rank.
 
     timer(call, iters, warmup, device) -> seconds per call on this rank: how each size is timed
-    (default `time_calls`; notebook 04 writes its own in a cell and passes it here). With
-    cuda_graph, the calls are captured and replayed by `time_calls` instead.
+    (default `time_calls`; a timer written in a notebook cell travels to the ranks too). With
+    cuda_graph, the calls are captured and replayed by `time_calls` instead. Before the first size,
+    `warm_up` makes untimed calls at the largest size, then the smallest, as nccl-tests does.
 
     Returns the same list of rows on every rank, one dict per size: bytes (S),
     count, dtype, time_us (mean per call, averaged over ranks), algbw_GBps,
@@ -334,11 +347,9 @@ def sweep(collective, sizes, dtype=torch.float32, device="cpu", iters=20, warmup
             "iters": iters, "warmup": warmup}
     if verbose and dist.get_rank() == 0:
         print(header(base), flush=True)
-    # An untimed round first: a process's first timed loop pays one-time costs (seen on
-    # H200s: the first size 2-4x slower), as nccl-tests' warm-up of all sizes avoids.
     timed = time_calls if timer is None or cuda_graph else (
         lambda call, iters, warmup, dev, cuda_graph: timer(call, iters, warmup, dev))
-    timed(prepare(collective, plans[0][0], dtype, dev)[0], 1, warmup, dev, cuda_graph)
+    warm_up(collective, [plans[-1][0], plans[0][0]], dtype, dev, max(warmup, 1), timed, cuda_graph)
     rows = []
     for count, nbytes in plans:
         call, _, _ = prepare(collective, count, dtype, dev)

@@ -73,6 +73,14 @@ def fit_beta(rows, min_bytes=16 * 2**20):
     return float(alpha_us), float(1e-3 / us_per_byte) if us_per_byte > 0 else float("inf")
 
 
+def fit_model(rows, min_bytes=16 * 2**20):
+    """The (alpha_us, beta_GBps) that notebook 04 prints and draws: alpha from `fit_alpha_beta` on every
+    size (the fixed cost of a call, which the small messages show), beta from `fit_beta` on the
+    messages of at least min_bytes (the bandwidth, which only large messages show). Pass the pair to
+    `plot_time(..., fit=(alpha, beta))` so that the legend says what was printed."""
+    return fit_alpha_beta(rows)[0], fit_beta(rows, min_bytes)[1]
+
+
 def model_time_us(nbytes, alpha_us, beta_GBps):
     """t = alpha + S / beta, in µs."""
     return alpha_us + np.asarray(nbytes, dtype=float) / (beta_GBps * 1e3)
@@ -85,11 +93,29 @@ def crossover_bytes(alpha_us, beta_GBps):
 
 
 # ------------------------------------------------------------------ plots
+# Sizes in points for a figure about 7.5 inches wide, which JupyterLab shows at full size: a wider
+# figure is scaled down to the notebook's width, and its text with it.
+LEGEND_FONT, LABEL_FONT, TITLE_FONT = 8.5, 9, 12
+
+
+def fit_label(alpha_us, beta_GBps):
+    """'α = 157 µs, β = 1.92 GB/s': how the legend writes a fit (print it the same way)."""
+    def number(x):
+        return f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.3g}"
+    return f"\u03b1 = {number(alpha_us)} \u00b5s, \u03b2 = {number(beta_GBps)} GB/s"
+
+
+def _size_ticks(ax):
+    """Ticks at powers of 1024 (and 32x between) inside the axis' limits, labelled in B/KiB/MiB/GiB."""
+    low, high = ax.get_xlim()
+    ax.xaxis.set_major_locator(FixedLocator([2.0 ** k for k in range(0, 41, 5) if low <= 2.0 ** k <= high]))
+
+
 def _size_axis(ax, sizes):
     """Log x axis with ticks at powers of 1024 (and 32x between), labelled in B/KiB/MiB/GiB."""
     ax.set_xscale("log", base=2)
-    ticks = [2.0 ** k for k in range(0, 41, 5) if min(sizes) / 2 <= 2.0 ** k <= max(sizes) * 2]
-    ax.xaxis.set_major_locator(FixedLocator(ticks))
+    ax.set_xlim(min(sizes) / 2, max(sizes) * 2)
+    _size_ticks(ax)
     ax.xaxis.set_minor_locator(NullLocator())
     ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: human_bytes(x)))
     ax.set_xlabel("message size S (bytes, as nccl-tests counts them)")
@@ -97,32 +123,53 @@ def _size_axis(ax, sizes):
 
 
 def mark_regimes(ax, alpha_us, beta_GBps, color, level=0):
-    """A dotted line at S = alpha*beta, with 'latency-bound' to its left and 'bandwidth-bound' to its right."""
+    """A dotted line at S = alpha*beta, with 'latency-bound' to its left and 'bandwidth-bound' to its right
+    (`keep_labels_inside` widens the axis where a label would be cut off at its edge)."""
     x = crossover_bytes(alpha_us, beta_GBps)
     if not np.isfinite(x) or x <= 0:
         return
     ax.axvline(x, color=color, linestyle=":", linewidth=1)
     y, transform = 0.97 - 0.07 * level, ax.get_xaxis_transform()
-    ax.text(x, y, "latency-bound \u2190 ", ha="right", va="top", color=color, fontsize=8, transform=transform)
-    ax.text(x, y, " \u2192 bandwidth-bound", ha="left", va="top", color=color, fontsize=8, transform=transform)
+    for text, align in (("latency-bound \u2190 ", "right"), (" \u2192 bandwidth-bound", "left")):
+        ax.text(x, y, text, ha=align, va="top", color=color, fontsize=LABEL_FONT, transform=transform, gid="regime")
+
+
+def keep_labels_inside(fig, tries=5):
+    """Widen each size axis until its regime labels fit inside it: a border near an edge would cut them."""
+    for ax in fig.axes:
+        labels = [t for t in ax.texts if t.get_gid() == "regime"]
+        for _ in range(tries if labels else 0):
+            box = ax.get_window_extent()
+            boxes = [t.get_window_extent() for t in labels]
+            left, right = max(box.x0 - b.x0 for b in boxes), max(b.x1 - box.x1 for b in boxes)
+            if left <= 0 and right <= 0:
+                break
+            low, high = np.log2(ax.get_xlim())
+            per_pixel = (high - low) / box.width
+            margin = 6   # pixels
+            low -= (left + margin) * per_pixel if left > 0 else 0
+            high += (right + margin) * per_pixel if right > 0 else 0
+            ax.set_xlim(2 ** low, 2 ** high)
+        _size_ticks(ax)
 
 
 def _legend_below(ax):
     """Legend under the axes, so it never hides a curve or the regime labels."""
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.15), frameon=False)
+    ax.legend(fontsize=LEGEND_FONT, loc="upper center", bbox_to_anchor=(0.5, -0.13), frameon=False)
 
 
 def plot_time(rows, ax=None, fit=True):
-    """Time per call against message size (log-log), one line per series; with the
-    alpha-beta fit (dashed) and the regime border of each series."""
+    """Time per call against message size (log-log), one line per series. fit=True: each series'
+    `fit_alpha_beta`, dashed, with its regime border; fit=(alpha_us, beta_GBps): that model instead
+    (e.g. from `fit_model`, so that the legend shows the numbers printed beside it); fit=False: none."""
     def fitted(S, alpha, beta, group):
-        return model_time_us(S, alpha, beta), f"fit: \u03b1 = {alpha:.3g} \u00b5s, \u03b2 = {beta:.3g} GB/s"
+        return model_time_us(S, alpha, beta), f"fit: {fit_label(alpha, beta)}"
     return _plot_against_size(rows, ax, fit, "time_us", "time per call (\u00b5s)", fitted)
 
 
 def plot_busbw(rows, ax=None, fit=True):
     """Bus bandwidth against message size (log-log), one line per series; with the
-    bandwidth the alpha-beta fit predicts (dashed) and the regime border of each series."""
+    bandwidth the alpha-beta model predicts (dashed; `fit` as in plot_time) and the regime border."""
     def fitted(S, alpha, beta, group):
         factor = group[-1]["busbw_GBps"] / group[-1]["algbw_GBps"]   # the collective's bus factor
         return S / (model_time_us(S, alpha, beta) * 1e3) * factor, None
@@ -132,20 +179,46 @@ def plot_busbw(rows, ax=None, fit=True):
 def _plot_against_size(rows, ax, fit, key, ylabel, fitted):
     """One measured line per series, and with `fit` the curve fitted(S, alpha, beta, group)
     returns (values, legend label) for it, dashed, with the series' regime border."""
-    ax = ax or plt.subplots(figsize=(7, 6))[1]
+    ax = ax or plt.subplots(figsize=(7.5, 5))[1]
     for level, (label, group) in enumerate(series(rows).items()):
         S = np.array([r["bytes"] for r in group], dtype=float)
         line, = ax.plot(S, [r[key] for r in group], "o-", markersize=3, label=label)
-        if fit and len(group) >= 2:
-            alpha, beta = fit_alpha_beta(group)
-            values, fit_label = fitted(S, alpha, beta, group)
-            ax.plot(S, values, "--", color=line.get_color(), linewidth=1, label=fit_label)
+        if fit is not False and fit is not None and len(group) >= 2:
+            alpha, beta = fit_alpha_beta(group) if fit is True else fit
+            values, fit_label_text = fitted(S, alpha, beta, group)
+            ax.plot(S, values, "--", color=line.get_color(), linewidth=1, label=fit_label_text)
             mark_regimes(ax, alpha, beta, line.get_color(), level)
     ax.set_yscale("log")
+    plain = FuncFormatter(lambda y, _: f"{y:g}")   # 200 and 0.001, not 2 x 10^2 and 10^-3
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_formatter(plain)
     ax.set_ylabel(ylabel)
     _size_axis(ax, [r["bytes"] for r in rows])
     _legend_below(ax)
     return ax
+
+
+def plot_figure(message, rows, what="time", fit=False, caption=None, width=7.5, height=5.0):
+    """One figure with one message, its title: time ("time") or bus bandwidth ("busbw") against message
+    size, drawn by plot_time or plot_busbw with `fit`. caption: one small line at the bottom, e.g. where
+    and when stored results were measured. 7.5 inches wide: JupyterLab shows it at full size."""
+    fig, ax = plt.subplots(figsize=(width, height))
+    (plot_time if what == "time" else plot_busbw)(rows, ax, fit)
+    ax.set_title(message, fontsize=TITLE_FONT)
+    if caption:
+        fig.text(0.01, 0.01, caption, fontsize=LEGEND_FONT, color="0.3", ha="left", va="bottom")
+    fig.tight_layout(rect=(0, 0.04 if caption else 0, 1, 1))
+    keep_labels_inside(fig)
+    return fig
+
+
+def stored_bench_caption(meta):
+    """'stored: 2× NVIDIA H200 (NV18), torch 2.11.0+cu130, NCCL 2.28.9, 2026-11-30': where and when
+    a stored benchmark table (`reference.load("bench_...")`'s metadata) was measured."""
+    link = (meta.get("interconnect") or "").split(" ")[0]
+    nccl = f", NCCL {meta['nccl']}" if meta.get("nccl") else ""
+    return (f"stored: {meta['hardware']}" + (f" ({link})" if link else "")
+            + f", torch {meta['torch']}{nccl}, {meta['date'][:10]}")
 
 
 def plot_sweeps(rows, title=None, fit=True):
@@ -157,12 +230,14 @@ def plot_sweeps(rows, title=None, fit=True):
     hardware = "; ".join(sorted({r["hardware"] for r in rows}))
     fig.suptitle(title or f"{collectives}, measured on {hardware}")
     fig.tight_layout()
+    keep_labels_inside(fig)
     return fig
 
 
 def plot_panels(panels, title=None, width=5.2, height=4.6):
-    """One message per panel, side by side: panels is a list of (message, rows, what, fit) with
-    what "time" or "busbw"; the message is the panel's title."""
+    """Panels side by side: panels is a list of (message, rows, what, fit) with what "time" or "busbw";
+    the message is the panel's title. In a notebook prefer one `plot_figure` per message: side by side,
+    the panels are scaled down to the notebook's width."""
     fig, axes = plt.subplots(1, len(panels), figsize=(width * len(panels), height), squeeze=False)
     for ax, (message, rows, what, fit) in zip(axes[0], panels):
         (plot_time if what == "time" else plot_busbw)(rows, ax, fit)
@@ -171,6 +246,7 @@ def plot_panels(panels, title=None, width=5.2, height=4.6):
     if title:
         fig.suptitle(title)
     fig.tight_layout()
+    keep_labels_inside(fig)
     return fig
 
 

@@ -309,6 +309,56 @@ def test_panels_have_one_message_each():
     matplotlib.pyplot.close(fig)
 
 
+def test_fit_model_is_what_the_legend_shows():
+    rows = synthetic_rows(150.0, 2.2)
+    rows[-1] = dict(rows[-1], time_us=rows[-1]["time_us"] * 1.3)   # a slow large message: the two fits differ
+    alpha, beta = plots.fit_model(rows, min_bytes=MiB)
+    assert alpha == plots.fit_alpha_beta(rows)[0] and beta == plots.fit_beta(rows, MiB)[1]
+    assert plots.fit_alpha_beta(rows)[1] != pytest.approx(beta, rel=0.05)
+    ax = plots.plot_time(rows, fit=(alpha, beta))
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend[1] == f"fit: {plots.fit_label(alpha, beta)}"
+    assert plots.fit_label(157.26, 1.9244) == "\u03b1 = 157 \u00b5s, \u03b2 = 1.92 GB/s"
+    assert plots.fit_label(1234.5, 329.3) == "\u03b1 = 1,234 \u00b5s, \u03b2 = 329 GB/s"
+    matplotlib.pyplot.close(ax.figure)
+
+
+def test_one_figure_per_message_keeps_its_labels_inside_and_names_stored_hardware():
+    # alpha = 5000 µs, beta = 2 GB/s: the border S = alpha*beta = 10 MB is near the right end of 8 B..64 MiB
+    fig = plots.plot_figure("one message", synthetic_rows(5000.0, 2.0), "time", fit=True, caption="stored: here")
+    (ax,) = fig.axes
+    assert ax.get_title() == "one message" and fig.get_size_inches()[0] == pytest.approx(7.5)
+    box = ax.get_window_extent()
+    labels = [t for t in ax.texts if t.get_gid() == "regime"]
+    assert len(labels) == 2
+    for label in labels:
+        inside = label.get_window_extent()
+        assert box.x0 <= inside.x0 and inside.x1 <= box.x1, label.get_text()
+    assert "stored: here" in [t.get_text() for t in fig.texts]
+    matplotlib.pyplot.close(fig)
+    _, meta = reference.load("bench_all_reduce")
+    assert plots.stored_bench_caption(meta) == "stored: 2× NVIDIA H200 (NV18), torch 2.11.0+cu130, NCCL 2.28.9, 2026-11-30"
+
+
+def sweep_noting_sizes(sizes):
+    """The real sweep, noting the element count of each set of buffers it prepares, in order."""
+    real, counts = bench.prepare, []
+
+    def noting(collective, count, dtype, device):
+        counts.append(count)
+        return real(collective, count, dtype, device)
+    bench.prepare = noting
+    bench.sweep("all_reduce", sizes, iters=1, warmup=1)
+    return counts
+
+
+def test_sweep_warms_up_at_the_largest_then_the_smallest_size_first():
+    # as nccl-tests' TimeTest: so the first size timed does not pay the process's one-time costs
+    counts = launch(sweep_noting_sizes, 2, "gloo", args=([8, 1024, 4096],), quiet=True)[0]
+    assert counts[:2] == [1024, 2]
+    assert counts[2:] == [2, 2, 256, 256, 1024, 1024]   # then each size: timed, then checked (#wrong)
+
+
 def sweep_with_own_timer(sizes):
     def constant(call, iters, warmup, device):  # a timer of one's own: here every call "takes" 1 ms
         call()
