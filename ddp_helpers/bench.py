@@ -411,9 +411,10 @@ def header(info):
     placement = "in-place" if info["in_place"] else "out-of-place"
     nccl = machine.nccl_version() if info["backend"] == "nccl" else None
     cols = "# %10s  %12s  %8s  %6s  %6s  %7s  %6s  %6s  %6s"
-    return "\n".join([
+    return "\n".join([   # lines of at most 100 characters: a notebook would wrap them mid-word
         f"# {info['collective']} on {info['world_size']} ranks: backend {info['backend']}, device "
-        f"{info['device']} ({info['hardware']}), torch {torch.__version__}" + (f", NCCL {nccl}" if nccl else ""),
+        f"{info['device']}, torch {torch.__version__}" + (f", NCCL {nccl}" if nccl else ""),
+        f"# on {info['hardware']}",
         f"# iters {info['iters']}, warm-up {info['warmup']}, CUDA graph {'on' if info['cuda_graph'] else 'off'}",
         "#",
         "# %10s  %12s  %8s  %6s  %6s           %s" % ("", "", "", "", "", placement),

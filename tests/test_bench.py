@@ -217,10 +217,20 @@ def check_table(stdout, sizes):
     lines = [re.sub(r"^\[rank \d+\] ", "", line) for line in stdout.splitlines()]
     assert ["#", "size", "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong"] in \
         [line.split() for line in lines], stdout
+    assert all(len(line) <= 100 for line in lines), stdout   # a notebook would wrap longer lines mid-word
     rows = [line.split() for line in lines if line.strip() and not line.startswith("#")]
     assert [int(r[0]) for r in rows] == sizes, stdout
     assert all(r[3:5] == ["sum", "-1"] and r[8] == "0" for r in rows), stdout
 
+
+
+def test_header_lines_fit_a_notebook():
+    info = {"collective": "reduce_scatter", "world_size": 2, "backend": "gloo", "device": "cpu",
+            "hardware": "Intel(R) Xeon(R) Processor (32 cores)", "iters": 50, "warmup": 5,
+            "cuda_graph": False, "in_place": False}
+    lines = bench.header(info).splitlines()
+    assert lines[1] == "# on Intel(R) Xeon(R) Processor (32 cores)"
+    assert all(len(line) <= 100 for line in lines), lines   # a notebook would wrap longer lines mid-word
 
 def test_cli_under_torchrun_environment(tmp_path):
     csv_path = tmp_path / "rows.csv"
