@@ -3,6 +3,11 @@
     from ddp_helpers import launch
     %load_ext ddp_helpers      # in a notebook: the %%ddp cell magic
 """
+from . import forkserver as _forkserver
+
+if _forkserver.start_at_import():  # first, so that it imports torch while this kernel does too
+    _forkserver.start()
+
 from .launcher import WorkerError, WorkerTimeout, launch
 
 __all__ = ["launch", "WorkerError", "WorkerTimeout", "load_ipython_extension"]

@@ -33,7 +33,7 @@ import psutil
 import torch.distributed as dist
 import torch.multiprocessing
 
-from . import machine
+from . import forkserver, machine
 from .run_dirs import new_run_dir, process_alive, release_run_dir
 from .worker import error_file, no_group_file, omp_threads, result_file, stderr_pipe, stdout_pipe
 
@@ -71,9 +71,10 @@ class Supervisor:
 
     def start(self, target, args):
         """Start the ranks: `target(local_rank, *args)` in each."""
+        forkserver.start()   # unless it runs already (started by an earlier launch or by `import ddp_helpers`)
         with _main_script_findable():
             self._context = torch.multiprocessing.start_processes(
-                target, args=args, nprocs=self.world_size, join=False, start_method=forkserver())
+                target, args=args, nprocs=self.world_size, join=False, start_method=forkserver.start_method())
         self.processes = self._context.processes
 
     def wait(self, deadline, replies=None, on_reply=None, finished=None, check=None):
@@ -251,16 +252,6 @@ def remove_scratch(run_dir, n):
 
 
 # ------------------------------------------------------ environment and store
-def forkserver():
-    ctx = multiprocessing.get_context("forkserver")
-    # Only takes effect when the forkserver first starts: it imports these once for all workers.
-    # torch._dynamo: the first optimizer or DDP of a process imports it (over a second, in every rank);
-    # torchvision's transforms: the reference trainer's. A name that fails to import is skipped.
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "torchvision.transforms.v2",
-                                "cloudpickle", "psutil", "ddp_helpers.worker", "ddp_helpers.serve"])
-    return "forkserver"
-
-
 def loopback_interface():
     """Name of the loopback network interface ('lo' on Linux, 'lo0' on macOS)."""
     names = [name for _, name in socket.if_nameindex()]

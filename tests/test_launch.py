@@ -796,3 +796,55 @@ def test_only_the_cell_sources_a_traceback_needs_are_sent():
         assert launch(namespace["cell_fn"], 1, args=(cells_in_linecache,)) == [[used]]
     finally:
         del linecache.cache[used], linecache.cache[unused]
+
+
+# ---- the fork server: started at import in a Jupyter kernel, what its ranks inherit ----
+FORK_SERVERS = '''
+import json, os, sys, types, psutil
+if os.environ.get("FAKE_KERNEL"):
+    sys.modules["ipykernel"] = types.ModuleType("ipykernel")   # what a Jupyter kernel has imported
+import ddp_helpers
+
+def servers():
+    family = psutil.Process().children(recursive=True)
+    return [p.pid for p in family if "multiprocessing.forkserver import main" in " ".join(p.cmdline())]
+
+def rank_state():
+    import gc, signal
+    return gc.isenabled(), gc.get_freeze_count() > 0, signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+if __name__ == "__main__":
+    at_import = servers()
+    ranks = ddp_helpers.launch(rank_state, 2) if os.environ.get("THEN_LAUNCH") else None
+    print(json.dumps({"at_import": len(at_import), "after": len(servers()), "ranks": ranks,
+                      "same": at_import == servers()}))
+'''
+
+
+def fork_servers(tmp_path, kernel, early=None, then_launch=False):
+    script = tmp_path / "fork_servers.py"
+    script.write_text(FORK_SERVERS)
+    env = {k: v for k, v in os.environ.items() if k != "DDP_HELPERS_EARLY_FORKSERVER"}
+    env.update({"FAKE_KERNEL": "1"} if kernel else {}, **({"THEN_LAUNCH": "1"} if then_launch else {}))
+    if early is not None:
+        env["DDP_HELPERS_EARLY_FORKSERVER"] = early
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, cwd=REPO,
+                          timeout=seconds(60))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return __import__("json").loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_importing_ddp_helpers_in_a_jupyter_kernel_starts_the_fork_server(tmp_path):
+    assert fork_servers(tmp_path, kernel=True)["at_import"] == 1      # imports torch while the kernel does
+    assert fork_servers(tmp_path, kernel=False)["at_import"] == 0     # a script: at its first launch
+    assert fork_servers(tmp_path, kernel=True, early="0")["at_import"] == 0
+    assert fork_servers(tmp_path, kernel=False, early="1")["at_import"] == 1
+
+
+def test_the_launch_uses_the_fork_server_import_started_and_its_ranks_collect_garbage(tmp_path):
+    # DDP_HELPERS_EARLY_FORKSERVER=1 reaches the server too, which imports ddp_helpers: it must not
+    # start a server of its own. Its ranks: garbage collection and Ctrl-C on again (the server turned
+    # both off while it imported), and torch's objects frozen (their collections skip them).
+    out = fork_servers(tmp_path, kernel=False, early="1", then_launch=True)
+    assert (out["at_import"], out["after"], out["same"]) == (1, 1, True)
+    assert out["ranks"] == [[True, True, True]] * 2

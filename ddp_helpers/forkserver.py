@@ -1,0 +1,64 @@
+"""The fork server that every rank is forked from: what it imports, and starting it early.
+
+Ranks start with multiprocessing's *forkserver* method: a fresh Python process (never a fork of the
+notebook kernel, which may have touched CUDA) imports torch and the rest of PRELOAD once, and each
+rank is a fork of it, with all of that already imported. Only the first launch waits for the
+server to import; later launches fork it at once.
+
+Inside a Jupyter kernel, `import ddp_helpers` starts the server (`start`), before the kernel
+imports torch itself: both import at the same time, and the first launch finds the server ready
+or nearly so. This module imports nothing heavy, so that it can run first.
+"""
+import gc
+import multiprocessing
+import multiprocessing.forkserver
+import os
+import signal
+import sys
+
+# What each rank finds imported, in this order. torch._dynamo: the first optimizer or DDP of a process
+# imports it, over a second in every rank of every launch that trains, where importing it once here costs
+# about as much once. torchvision: ResNet-18 and the per-image transforms. A name that fails to import is
+# skipped. First and last, two modules of ours: while the server imports, the garbage collector is off
+# (a quarter of the import's CPU time went to collections); at the end what it imported is frozen
+# (gc.freeze: the ranks' collections skip it, and leave its memory shared) and collection is on again.
+PRELOAD = ["ddp_helpers.forkserver", "torch", "torch.distributed", "torch._dynamo", "torchvision",
+           "cloudpickle", "psutil", "ddp_helpers.worker", "ddp_helpers.serve", "ddp_helpers.forkserver_ready"]
+
+
+def start_method():
+    """"forkserver", with PRELOAD set for the server (which takes it when it starts)."""
+    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+    return "forkserver"
+
+
+def start():
+    """Start the fork server unless it runs already, and return at once: it imports in the background.
+    Launches wait for it to be ready. It ends when this process ends."""
+    start_method()
+    os.environ[_IN_SERVER] = "1"   # the server inherits it: importing ddp_helpers there starts no other
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        del os.environ[_IN_SERVER]
+
+
+def start_at_import():
+    """Should `import ddp_helpers` start the fork server? In a Jupyter kernel, which will launch ranks, yes;
+    in the server itself, ranks, torchrun's workers and scripts, no. The environment variable
+    DDP_HELPERS_EARLY_FORKSERVER says otherwise: 1 (yes, in any program), 0 (never)."""
+    if os.environ.get(_IN_SERVER):
+        return False
+    choice = os.environ.get(EARLY_ENV_VAR, "")
+    if choice in ("0", "1"):
+        return choice == "1"
+    return "ipykernel" in sys.modules
+
+
+EARLY_ENV_VAR = "DDP_HELPERS_EARLY_FORKSERVER"
+_IN_SERVER = "DDP_HELPERS_IN_FORKSERVER"
+
+if os.environ.get(_IN_SERVER):   # this is the fork server, importing PRELOAD; forkserver_ready undoes both
+    gc.disable()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # the Interrupt button (sent to the kernel's process group)
+                                                   # is for the cell: the server ignores it once it serves
