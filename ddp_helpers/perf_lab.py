@@ -83,7 +83,7 @@ def overlap_timeline(runs, title):
     computation (until the last bucket is ready), a tick when each bucket is ready, an orange bar for
     each bucket on the link, a black line at the end of the step. Returns the figure."""
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(8, 0.8 + 0.7 * len(runs)))
+    fig, ax = plt.subplots(figsize=(8, 1.5 + 0.7 * len(runs)))
     for row, (label, run) in enumerate(runs.items()):
         y = len(runs) - 1 - row
         ax.barh(y + 0.15, max(run["ready_ms"]), height=0.25, color="tab:blue",
@@ -97,9 +97,8 @@ def overlap_timeline(runs, title):
     ax.set_yticks(range(len(runs)), list(runs)[::-1])
     ax.set_xlabel("ms since backward() started (ticks: a bucket's gradients are all ready)")
     ax.set_title(title, fontsize=10)
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(runs) < 3 else -0.25), ncol=3, fontsize=8,
-              frameon=False)
-    fig.tight_layout()
+    fig.legend(loc="lower center", ncol=3, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     return fig
 
 
@@ -112,6 +111,8 @@ def overlap_sweep(sweep, title):
         xs = sorted(by_bandwidth)
         ax.plot(xs, [by_bandwidth[x] for x in xs], "o-", label=label)
     ax.set(xscale="log", xlabel="simulated link bandwidth (GB/s)", ylabel="backward() (ms, median)")
+    ax.set_xticks(xs, [f"{x:.3g}" for x in xs])
+    ax.minorticks_off()
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)

@@ -3,7 +3,8 @@
 Nothing here executes a notebook: the pages show the outputs committed in notebooks/*.ipynb,
 the ones CI re-produces. What is copied into docs/ (all of it git-ignored):
 
-- docs/notebooks/NN_*.ipynb: every numbered notebook, in course order (by file name), so a
+- docs/notebooks/NN_*.ipynb and A*_*.ipynb: every numbered notebook, in course order (by file name),
+  then the appendices, so a
   notebook added or renamed is picked up without a list to keep. On the way:
   - a widget that needs a kernel (the ring slider of notebook 03) would be a dead box: its output
     becomes a note that points at the step-by-step picture the notebook draws above it (or a copy of
@@ -32,7 +33,7 @@ ROOT = DOCS.parent
 NOTEBOOKS = ROOT / "notebooks"
 STAGED = DOCS / "notebooks"
 FILES = DOCS / "_files"
-NUMBERED = re.compile(r"^\d\d_\w+\.ipynb$")
+NUMBERED = re.compile(r"^(\d\d|A\d)_\w+\.ipynb$")   # the course (00_...), then the appendices (A1_...)
 WIDGET = "application/vnd.jupyter.widget-view+json"
 MERMAID = re.compile(r"^```mermaid[ \t]*\n(.*?)^```[ \t]*$", re.S | re.M)
 STATIC = DOCS / "_static_gen"
@@ -43,7 +44,7 @@ WIDGET_NOTE = ("*In JupyterLab this cell shows a slider that needs a running ker
 
 
 def course_notebooks():
-    """The numbered notebooks in course order (00_, 01_, ... by name)."""
+    """The numbered notebooks in course order (00_, 01_, ... by name), then the appendices (A1_, ...)."""
     return sorted(p for p in NOTEBOOKS.glob("*.ipynb") if NUMBERED.match(p.name))
 
 
