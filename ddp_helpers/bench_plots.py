@@ -13,7 +13,7 @@ reached on large messages. Below S = alpha * beta the fixed cost dominates
 """
 import matplotlib.pyplot as plt
 import numpy as np
-from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+from matplotlib.ticker import FixedLocator, FuncFormatter, LogFormatter, NullLocator
 
 
 def human_bytes(n):
@@ -153,6 +153,14 @@ def keep_labels_inside(fig, tries=5):
         _size_ticks(ax)
 
 
+class _PlainLog(LogFormatter):
+    """Log-axis labels as plain numbers (200, 0.001, not 2 x 10^2, 10^-3); like matplotlib's own, it
+    labels some minor ticks only where the axis spans few decades."""
+
+    def _num_to_string(self, x, vmin, vmax):
+        return f"{x:g}"
+
+
 def _legend_below(ax):
     """Legend under the axes, so it never hides a curve or the regime labels."""
     ax.legend(fontsize=LEGEND_FONT, loc="upper center", bbox_to_anchor=(0.5, -0.13), frameon=False)
@@ -189,9 +197,8 @@ def _plot_against_size(rows, ax, fit, key, ylabel, fitted):
             ax.plot(S, values, "--", color=line.get_color(), linewidth=1, label=fit_label_text)
             mark_regimes(ax, alpha, beta, line.get_color(), level)
     ax.set_yscale("log")
-    plain = FuncFormatter(lambda y, _: f"{y:g}")   # 200 and 0.001, not 2 x 10^2 and 10^-3
-    ax.yaxis.set_major_formatter(plain)
-    ax.yaxis.set_minor_formatter(plain)
+    ax.yaxis.set_major_formatter(_PlainLog())
+    ax.yaxis.set_minor_formatter(_PlainLog(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
     ax.set_ylabel(ylabel)
     _size_axis(ax, [r["bytes"] for r in rows])
     _legend_below(ax)

@@ -14,6 +14,8 @@ The returned Verdict is true when every case passes.
 Reference solutions are in `ddp_helpers/solutions.py` (peek after trying).
 """
 import contextlib
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -23,20 +25,27 @@ from .launcher import WorkerError, WorkerTimeout, launch
 class Verdict:
     """What a checker found. True when correct; shown as a short report in the notebook."""
 
-    def __init__(self, title, problems):
-        self.title, self.problems = title, problems
+    def __init__(self, title, problems, notes=()):
+        self.title, self.problems, self.notes = title, problems, list(notes)
 
     def __bool__(self):
         return not self.problems
 
     def __repr__(self):
         if not self.problems:
-            return f"✅ {self.title}: correct."
-        lines = [f"❌ {self.title}: not yet."] + [f"   - {p}" for p in self.problems[:5]]
-        return "\n".join(lines)
+            lines = [f"✅ {self.title}: correct."]
+        else:
+            lines = [f"❌ {self.title}: not yet."] + [f"   - {p}" for p in self.problems[:5]]
+        return "\n".join(lines + [f"   {note}" for note in self.notes])
 
     def _repr_pretty_(self, printer, cycle):
-        printer.text(repr(self))
+        """In a notebook: lines wrapped at 100 characters, between words (JupyterLab would cut words)."""
+        import textwrap
+        lines = []
+        for line in repr(self).splitlines():
+            indent = " " * (len(line) - len(line.lstrip(" -")))
+            lines += textwrap.wrap(line, 100, subsequent_indent=indent, break_on_hyphens=False) or [""]
+        printer.text("\n".join(lines))
 
 
 class RuleBroken(RuntimeError):
@@ -424,36 +433,6 @@ def check_ring_all_reduce(fn):
                   forbidden=("all_reduce", "reduce", "reduce_scatter", "all_gather", "broadcast",
                              "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather_single",
                              "reduce_scatter_single"), algorithm=_ring_all_reduce_traffic)
-
-
-_BUSBW_CASES = [("all_reduce", 2**20, 100.0, 2), ("all_reduce", 2**30, 3273.0, 8),
-                ("all_gather", 2**24, 80.0, 4), ("reduce_scatter", 2**24, 80.0, 3),
-                ("broadcast", 2**20, 50.0, 4), ("sendrecv", 8, 5.0, 2), ("all_to_all", 2**22, 40.0, 2)]
-
-
-def check_busbw(fn):
-    """Notebook 04: `fn(collective, nbytes, time_us, world_size)` returns busbw in GB/s
-    as nccl-tests computes it. Pure arithmetic: no ranks needed."""
-    from . import bench
-    problems = []
-    for collective, nbytes, time_us, n in _BUSBW_CASES:
-        want = bench.busbw_GBps(collective, nbytes, time_us, n)
-        try:
-            got = fn(collective, nbytes, time_us, n)
-        except NotImplementedError:
-            return Verdict("my_busbw", [f"{fn.__name__} still raises NotImplementedError: fill in the stub"])
-        except Exception as err:
-            problems.append(f"{collective}, {nbytes} B in {time_us} µs on {n} ranks: raised {type(err).__name__}: {err}")
-            continue
-        def near(a, b):
-            return isinstance(a, (int, float)) and abs(a - b) <= 1e-6 * max(1.0, abs(b))
-        if not near(got, want):
-            algbw = bench.algbw_GBps(nbytes, time_us)
-            hint = ("; that is the algbw: busbw multiplies it by the collective's bus factor" if near(got, algbw)
-                    else "; GB means 1e9 bytes here, not 2**30" if near(got, want * 1e9 / 2**30) else "")
-            problems.append(f"{collective}, {nbytes} B in {time_us} µs on {n} ranks: "
-                            f"expected {want:.4f} GB/s, got {got!r}{hint}")
-    return Verdict("my_busbw", problems)
 
 
 def _bucket_model():
@@ -936,3 +915,238 @@ def _largest_gradients(world_size):
         (model(x[shard]) - y[shard]).square().sum().backward()
         own.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     return max(g.abs().max().item() for g in own), sum(own).abs().max().item()
+
+
+# ---- Notebook 04: timing an all-reduce, and predicting one ------------------------------------
+_CLOCKS = ("perf_counter", "time", "monotonic", "perf_counter_ns", "monotonic_ns", "time_ns")
+
+
+def _op_name(op):
+    return "SUM" if op == dist.ReduceOp.SUM else "AVG" if op == dist.ReduceOp.AVG else str(op).split(".")[-1]
+
+
+def _timing_in_rank(fn, nbytes, iters, warmup):
+    """Inside a rank: fn(nbytes, iters, warmup) with every collective and the clocks of `time` wrapped to
+    write down, in order, what this rank's thread does: each collective (an all_reduce with its bytes, its
+    op, and for a small tensor its values before and after), each clock reading. Returns (result, events)."""
+    import threading
+    import time
+    me, events, inside = threading.get_ident(), [], []
+    saved_dist = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
+    saved_time = {name: getattr(time, name) for name in _CLOCKS}
+
+    def collective(name):
+        real = saved_dist[name]
+
+        def call(*args, **kwargs):
+            if inside or threading.get_ident() != me:
+                return real(*args, **kwargs)
+            event = {"kind": name}
+            tensor = args[0] if args else kwargs.get("tensor")
+            if name == "all_reduce" and isinstance(tensor, torch.Tensor):
+                op = args[1] if len(args) > 1 else kwargs.get("op", dist.ReduceOp.SUM)
+                event.update(bytes=tensor.numel() * tensor.element_size(), op=_op_name(op))
+                if tensor.numel() <= 8:
+                    event["before"] = tensor.detach().double().flatten().tolist()
+            events.append(event)
+            inside.append(name)
+            try:
+                return real(*args, **kwargs)
+            finally:
+                inside.pop()
+                if "before" in event:
+                    event["after"] = tensor.detach().double().flatten().tolist()
+        return call
+
+    def clock(name):
+        real = saved_time[name]
+
+        def read():
+            value = real()
+            if not inside and threading.get_ident() == me:
+                events.append({"kind": "clock", "seconds": value / 1e9 if name.endswith("_ns") else value})
+            return value
+        return read
+
+    for name in saved_dist:
+        setattr(dist, name, collective(name))
+    for name in saved_time:
+        setattr(time, name, clock(name))
+    try:
+        result = fn(nbytes, iters, warmup)
+    finally:
+        for name, real in saved_dist.items():
+            setattr(dist, name, real)
+        for name, real in saved_time.items():
+            setattr(time, name, real)
+    if isinstance(result, torch.Tensor) and result.numel() == 1:
+        result = result.item()
+    return result, events
+
+
+def _timing_order_problem(events, nbytes, iters, warmup):
+    """What is wrong with the order of one rank's calls, or None; and the seconds per call its clock
+    readings around the timed calls give (None where no clock of `time` was seen)."""
+    others = [e["kind"] for e in events if e["kind"] not in ("all_reduce", "barrier", "clock")]
+    if others:
+        return (f"you called dist.{others[0]}: timing an all-reduce needs only dist.all_reduce and "
+                f"dist.barrier (the mean over ranks is an all_reduce too)"), None
+    payload = [i for i, e in enumerate(events) if e["kind"] == "all_reduce" and e.get("bytes") == nbytes]
+    if not payload:
+        sizes = sorted({e.get("bytes") for e in events if e["kind"] == "all_reduce"})
+        return (f"no all_reduce of {nbytes} bytes" + (f" (yours carried {sizes} bytes)" if sizes else "")
+                + f": all_reduce a tensor of nbytes // 4 = {nbytes // 4} float32 elements, e.g. "
+                  f"torch.ones(nbytes // 4)"), None
+    barriers = [i for i, e in enumerate(events) if e["kind"] == "barrier" and i < payload[-1]]
+    if not barriers:
+        return ("no dist.barrier() before the timed calls: the ranks do not start together, and a rank that "
+                "arrives first times its wait for the others. Call dist.barrier() after the warm-up, then "
+                "start the clock"), None
+    start_line = barriers[-1]
+    warm = [i for i in payload if i < start_line]
+    timed = [i for i in payload if i > start_line]
+    if not warm:
+        return ("no warm-up: no all_reduce before dist.barrier(). The first calls of a process pay one-time "
+                "costs (first use of the connections, buffers, pages): make `warmup` untimed calls first, "
+                "then the barrier, then the clock"), None
+    if not timed:
+        return "no all_reduce after dist.barrier(): time `iters` calls after it", None
+    clocks = [i for i, e in enumerate(events) if e["kind"] == "clock"]
+    per_call = None
+    if clocks:
+        before = [i for i in clocks if i < timed[0]]
+        after = [i for i in clocks if i > timed[-1]]
+        if not before or before[-1] < start_line:
+            return ("the clock starts before dist.barrier(): a rank that reaches the barrier first would time "
+                    "its wait for the others. Read the clock after the barrier, just before the timed calls"), None
+        if not after:
+            return "no clock reading after the last timed call: read the clock again when the calls are done", None
+        per_call = (events[after[0]]["seconds"] - events[before[-1]]["seconds"]) / iters
+    if len(warm) != warmup:
+        return (f"{len(warm)} warm-up all_reduce(s) before the barrier, but the checker asked for "
+                f"warmup={warmup}: use the argument"), per_call
+    if len(timed) != iters:
+        return (f"{len(timed)} timed all_reduce(s) after the barrier, but the checker asked for iters={iters}: "
+                f"use the argument"), per_call
+    return None, per_call
+
+
+def _near(a, b, rel=1e-6):
+    return abs(a - b) <= rel * max(abs(a), abs(b))
+
+
+def _timing_mean_problem(runs, world_size, iters):
+    """What is wrong with the mean over ranks (the same number on every rank, the mean of each rank's
+    seconds per call), or None."""
+    results = [result for result, _, _ in runs]
+    if not all(isinstance(r, (int, float)) and not isinstance(r, bool) for r in results):
+        bad = next(r for r in results if not isinstance(r, (int, float)) or isinstance(r, bool))
+        return f"return a number, the mean seconds per call; got {bad!r} ({type(bad).__name__})"
+    if not all(math.isfinite(r) and r > 0 for r in results):
+        return f"the time per call must be a positive number of seconds; got {results}"
+    if any(not _near(r, results[0], 1e-9) for r in results):
+        shown = ", ".join(f"rank {rank} {value:.6g} s" for rank, value in enumerate(results))
+        return (f"the ranks returned different times ({shown}): each rank returned its own. The mean over ranks: "
+                f"put this rank's seconds per call in a tensor, dist.all_reduce it (a sum) and divide by "
+                f"dist.get_world_size(), so that every rank returns the same number")
+    means = [next((e for i, e in reversed(list(enumerate(events))) if e["kind"] == "all_reduce" and "after" in e), None)
+             for _, events, _ in runs]
+    if any(m is None for m in means):
+        return ("every rank returned the same time, but not through an all_reduce of the ranks' times: "
+                "all_reduce a tensor holding this rank's seconds per call, then divide by the world size")
+    mine = [m["before"][0] for m in means]
+    total = means[0]["after"][0]
+    want = total if means[0]["op"] == "AVG" else total / world_size
+    got = results[0]
+    if not _near(got, want):
+        if means[0]["op"] == "SUM" and _near(got, total):
+            return (f"you returned the sum of the ranks' times ({got:.6g} s): divide it by "
+                    f"dist.get_world_size() = {world_size}")
+        for k in range(1, 9):
+            if k != world_size and _near(got, total / k):
+                return f"you divided by {k}, but the world size here is {world_size}: use dist.get_world_size()"
+        return (f"you returned {got:.6g} s, but the all_reduce of the ranks' times gave {total:.6g} s "
+                f"over {world_size} ranks: return their mean, {want:.6g} s")
+    for rank, (value, (_, _, per_call)) in enumerate(zip(mine, runs)):
+        if per_call is None or _near(value, per_call, 0.2):
+            continue
+        if _near(value, per_call * iters, 0.2):
+            return (f"rank {rank}'s time is for all {iters} calls together ({value:.6g} s): divide by iters for "
+                    f"the time per call")
+        if _near(value, per_call * 1e6, 0.2) or _near(value, per_call * 1e3, 0.2):
+            return f"rank {rank} gave {value:.6g}: return seconds per call (the clock's unit), not µs or ms"
+        return (f"rank {rank}'s time per call is {value:.6g} s, but its clock readings around the timed calls "
+                f"give {per_call:.6g} s per call: time from just before the first timed call to just after the last")
+    return None
+
+
+def check_all_reduce_timing(fn, predicted_us, nbytes=3 * 2**20, iters=20, warmup=5):
+    """Notebook 04: `fn(nbytes, iters, warmup)`, run on every rank, returns the seconds per dist.all_reduce
+    of `nbytes` bytes of float32, the mean over the ranks, timed as nccl-tests times it; `predicted_us` is
+    the alpha-beta model's time for that size, in µs.
+
+    Runs fn on 2 and 3 Gloo ranks with every collective and the clocks of `time` wrapped, and checks the
+    algorithm on each rank: `warmup` all_reduces of `nbytes` bytes, then dist.barrier(), then the clock,
+    then `iters` all_reduces, then the clock, then one all_reduce of the time; every rank returns the same
+    mean. Then compares the prediction with the 2-rank measurement, loosely (a factor of 3 either way:
+    times on a busy machine vary). Reference solution: ddp_helpers/solutions.py, my_all_reduce_time."""
+    from . import bench
+    from .bench_plots import human_bytes
+    title = "my_all_reduce_time"
+    if not (isinstance(nbytes, int) and nbytes >= 4 and isinstance(iters, int) and iters >= 1
+            and isinstance(warmup, int) and warmup >= 1):
+        raise ValueError(f"need nbytes >= 4, iters >= 1 and warmup >= 1 (whole numbers), "
+                         f"got {nbytes!r}, {iters!r}, {warmup!r}")
+    problems, notes, measured_us = [], [], None
+    for world_size in (2, 3):
+        label = f"world_size={world_size}"
+        try:
+            runs = launch(_timing_in_rank, world_size, backend="gloo", args=(fn, nbytes, iters, warmup),
+                          timeout=30, quiet=True)
+        except WorkerTimeout as err:
+            problems.append(f"{label}: rank(s) {err.unfinished_ranks} never finished: they wait in a collective "
+                            f"another rank never calls. Every rank must make the same calls: the warm-up, the "
+                            f"barrier, the timed all_reduces and the all_reduce of the time")
+            break
+        except WorkerError as err:
+            if err.exc_type == "NotImplementedError":
+                return Verdict(title, [f"{fn.__name__} still raises NotImplementedError: fill in the stub"])
+            first_line = str(err).splitlines()[0].split(". This is typically")[0][:300]
+            hint = (": its partner had left. Does every rank make the same calls, the same number of times?"
+                    if "gloo" in first_line.lower() or "closed" in first_line.lower() else "")
+            problems.append(f"{label}: rank {err.rank} failed: {first_line}{hint}")
+            continue
+        checked = []
+        for rank, (result, events) in enumerate(runs):
+            problem, per_call = _timing_order_problem(events, nbytes, iters, warmup)
+            if problem:
+                problems.append(f"{label}, rank {rank}: {problem}")
+                break
+            checked.append((result, events, per_call))
+        else:
+            problem = _timing_mean_problem(checked, world_size, iters)
+            if problem:
+                problems.append(f"{label}: {problem}")
+            elif world_size == 2:
+                measured_us = checked[0][0] * 1e6
+        if problems:
+            break
+    if measured_us is not None:
+        busbw = bench.busbw_GBps("all_reduce", nbytes, measured_us, 2)
+        notes.append(f"measured: all_reduce of {human_bytes(nbytes)} on 2 Gloo ranks, {measured_us:,.0f} µs per "
+                     f"call (algbw = busbw = {busbw:.2f} GB/s)")
+    if not isinstance(predicted_us, (int, float)) or isinstance(predicted_us, bool) or not predicted_us > 0:
+        problems.append(f"my_prediction_us is {predicted_us!r}: set it to the model's time for "
+                        f"{nbytes:,} B, t = α + S/β in µs (β in GB/s is 1e3 bytes per µs)")
+    elif measured_us is not None:
+        ratio = predicted_us / measured_us
+        notes.append(f"predicted: {predicted_us:,.0f} µs, {ratio:.2f}× the measurement")
+        if not 1 / 3 <= ratio <= 3:
+            unit = next((name for factor, name in ((1e3, "ms"), (1e-3, "ms"), (1e6, "s"), (1e-6, "s"))
+                         if 1 / 3 <= ratio / factor <= 3), None)
+            hint = (f"a unit slip? It is off by about {'1e3' if unit == 'ms' else '1e6'}: α is in µs, "
+                    f"S in bytes, β in GB/s = 1e3 bytes per µs" if unit else
+                    "check t = α + S/β: α in µs, S in bytes, β in GB/s = 1e3 bytes per µs (if it still misses, "
+                    "the machine may be busier now than during the sweep: run both again)")
+            problems.append(f"your prediction is {ratio:.2f}× the measurement, more than 3× off: {hint}")
+    return Verdict(title, problems, notes)

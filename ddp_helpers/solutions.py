@@ -1,4 +1,6 @@
 """Reference solutions to the "Try it" exercises (peek only after trying!)."""
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -74,13 +76,26 @@ def ring_all_reduce(t):
     return torch.cat(chunks)
 
 
-def my_busbw(collective, nbytes, time_us, world_size):
-    """Notebook 04: nccl-tests' bus bandwidth in GB/s (1 GB = 1e9 bytes)."""
-    algbw = nbytes / (time_us * 1e-6) / 1e9
-    n = world_size
-    factor = {"all_reduce": 2 * (n - 1) / n,
-              "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_to_all": (n - 1) / n}
-    return algbw * factor.get(collective, 1.0)
+def my_all_reduce_time(nbytes, iters=20, warmup=5):
+    """Notebook 04: seconds per dist.all_reduce of `nbytes` bytes of float32, the mean over the ranks,
+    timed as nccl-tests times it. Run on every rank."""
+    t = torch.ones(nbytes // 4)
+    for _ in range(warmup):         # 1. warm up: the first calls pay one-time costs, untimed
+        dist.all_reduce(t)
+    dist.barrier()                  # 2. start together: nobody times a wait for a late peer
+    start = time.perf_counter()
+    for _ in range(iters):          # 3. many calls between two readings of the clock
+        dist.all_reduce(t)
+    seconds = (time.perf_counter() - start) / iters
+    mean = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(mean)           # 4. the mean over the ranks: their sum, divided by their number
+    return mean.item() / dist.get_world_size()
+
+
+def predicted_us(nbytes, alpha_us, beta_GBps):
+    """Notebook 04: the alpha-beta model's time for one call of `nbytes` bytes, in µs:
+    t = alpha + S / beta, where beta in GB/s is beta * 1e3 bytes per µs."""
+    return alpha_us + nbytes / (beta_GBps * 1e3)
 
 
 def average_gradients_one_bucket(model):

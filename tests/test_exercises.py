@@ -1,10 +1,12 @@
 """Each checker accepts the reference solution and rejects wrong answers precisely."""
 import re
+import time
 
+import pytest
 import torch
 import torch.distributed as dist
 
-from ddp_helpers import exercises, solutions
+from ddp_helpers import exercises, launch, solutions
 
 
 def still_a_stub(*args):
@@ -81,15 +83,64 @@ def test_ring_all_reduce_checker():
     assert not exercises.check_ring_all_reduce(still_a_stub)
 
 
-def test_busbw_checker():
-    assert exercises.check_busbw(solutions.my_busbw)
-    def forgot_the_factor(collective, nbytes, time_us, world_size):
-        return nbytes / (time_us * 1e-6) / 1e9
-    verdict = exercises.check_busbw(forgot_the_factor)
-    assert not verdict and "all_reduce, 1048576 B in 100.0 µs on 2 ranks" not in repr(verdict)  # factor 1 there
-    assert "all_reduce, 1073741824 B in 3273.0 µs on 8 ranks: expected 574.1058 GB/s" in repr(verdict)
-    assert "that is the algbw" in repr(verdict)
-    assert not exercises.check_busbw(still_a_stub)
+def timing(barrier=True, warm_up=True, clock_after_barrier=True, mean="sum / world size"):
+    """A learner's answer to notebook 04's Try it, right by default; each argument breaks one rule."""
+    def my_all_reduce_time(nbytes, iters=20, warmup=5):
+        t = torch.ones(nbytes // 4)
+        for _ in range(warmup if warm_up else 0):
+            dist.all_reduce(t)
+        if not clock_after_barrier:
+            start = time.perf_counter()
+        if barrier:
+            dist.barrier()
+        if clock_after_barrier:
+            start = time.perf_counter()
+        for _ in range(iters):
+            dist.all_reduce(t)
+        seconds = (time.perf_counter() - start) / iters
+        if mean == "none":
+            return seconds
+        if mean == "all calls":                      # forgot to divide by iters
+            seconds *= iters
+        total = torch.tensor([seconds], dtype=torch.float64)
+        dist.all_reduce(total)
+        if mean == "sum":
+            return total.item()
+        if mean == "sum / 2":                        # the world size written as a number
+            return total.item() / 2
+        return total.item() / dist.get_world_size()
+    return my_all_reduce_time
+
+
+def test_all_reduce_timing_checker_accepts_the_solution_and_compares_the_prediction():
+    measured_us = launch(solutions.my_all_reduce_time, 2, backend="gloo", args=(3 * 2**20,), quiet=True)[0] * 1e6
+    verdict = exercises.check_all_reduce_timing(solutions.my_all_reduce_time, measured_us)
+    assert verdict, repr(verdict)
+    assert "measured: all_reduce of 3 MiB on 2 Gloo ranks" in repr(verdict) and "predicted:" in repr(verdict)
+    assert exercises.check_all_reduce_timing(timing(), solutions.predicted_us(3 * 2**20, 0.0, 3 * 2**20 / measured_us / 1e3))
+    unit_slip = exercises.check_all_reduce_timing(solutions.my_all_reduce_time, measured_us * 1e3)
+    assert not unit_slip and "a unit slip? It is off by about 1e3" in repr(unit_slip), repr(unit_slip)
+    missing = exercises.check_all_reduce_timing(solutions.my_all_reduce_time, None)
+    assert not missing and "my_prediction_us is None: set it to the model's time" in repr(missing)
+
+
+@pytest.mark.parametrize("wrong, message", [
+    (dict(barrier=False), "world_size=2, rank 0: no dist.barrier() before the timed calls"),
+    (dict(warm_up=False), "world_size=2, rank 0: no warm-up: no all_reduce before dist.barrier()"),
+    (dict(clock_after_barrier=False), "the clock starts before dist.barrier()"),
+    (dict(mean="none"), "world_size=2: the ranks returned different times"),
+    (dict(mean="sum"), "world_size=2: you returned the sum of the ranks' times"),
+    (dict(mean="sum / 2"), "world_size=3: you divided by 2, but the world size here is 3"),
+    (dict(mean="all calls"), "time is for all 20 calls together"),
+])
+def test_all_reduce_timing_checker_names_each_wrong_answer(wrong, message):
+    verdict = exercises.check_all_reduce_timing(timing(**wrong), 2000.0)
+    assert not verdict and message in repr(verdict), repr(verdict)
+
+
+def test_all_reduce_timing_checker_recognises_the_stub():
+    verdict = exercises.check_all_reduce_timing(still_a_stub, None)
+    assert not verdict and "still raises NotImplementedError: fill in the stub" in repr(verdict)
 
 
 def test_steps_per_epoch_checker():
