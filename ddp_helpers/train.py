@@ -8,7 +8,7 @@ Every rank runs the same code on its own device: join the process group, wrap th
 (which averages the gradients across ranks during backward), train on its share of each epoch,
 evaluate its share of the test set and sum the counts over ranks. Rank 0 saves checkpoints;
 `--resume auto` continues from the newest after torchrun restarts the group.
-The choices that a speed layer may replace (model, DDP wrapper, data loaders, optimizer, the
+The choices that a speed layer may replace (model, DDP wrapper, data loaders and batches, optimizer, the
 step, prediction) are the methods of `Plain`; `ddp_helpers.speed.Speedups` is such a layer.
 """
 import dataclasses, glob, math, os, re, signal, sys, time
@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 from torchvision.transforms import v2
 
-from . import data, models, settings as settings_
+from . import data, machine, models, settings as settings_
 from .collectives import barrier  # dist.barrier() that names this rank's GPU under NCCL
 from .launcher import loopback_interface
 from .progress import METRICS_PREFIX, Log, say  # noqa: F401 (METRICS_PREFIX: for live)
@@ -104,6 +104,8 @@ def setup(cfg):
 
 
 # ------------------------------------------------------- 2-5. the plain choices
+# Per-image normalisation with torchvision's transforms, as most examples write it. This trainer normalises
+# whole batches on the device instead (Plain.prepare); notebook 07 compares the two.
 NORMALIZE = [v2.ToDtype(torch.float32, scale=True), v2.Normalize(data.MEAN, data.STD)]
 
 
@@ -119,19 +121,36 @@ class Plain:
         return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
 
     def loaders(self, cfg, device):
-        """This rank's share of the training set (reshuffled each epoch) and of the test set."""
-        crop_flip = [v2.RandomCrop(32, padding=4, padding_mode="reflect"), v2.RandomHorizontalFlip()]
-        train_set = data.Images(data.load_cifar10(True, cfg.data, cfg.per_class), v2.Compose(crop_flip + NORMALIZE))
-        test_set = data.Images(data.load_cifar10(False, cfg.data, cfg.test_per_class), v2.Compose(NORMALIZE))
+        """This rank's share of the training set (reshuffled each epoch) and of the test set:
+        batches of uint8 images and their labels (`prepare` readies them on the device)."""
+        train_set = data.Images(data.load_cifar10(True, cfg.data, cfg.per_class))
+        test_set = data.Images(data.load_cifar10(False, cfg.data, cfg.test_per_class))
         # DistributedSampler: rank r takes every world_size-th index of one shuffled order, the same on
         # all ranks; drop_last: every rank takes the same number of steps (DDP's all-reduces pair up).
         sampler = DistributedSampler(train_set, shuffle=True, seed=cfg.seed)
-        workers = dict(num_workers=4, pin_memory=True) if device.type == "cuda" else {}  # GPUs: decode in parallel
-        train_loader = DataLoader(train_set, cfg.batch_size, sampler=sampler, drop_last=True, **workers)
+        workers = {}
+        if device.type == "cuda":  # processes gather the next batches while the GPU computes
+            cores = machine.cpu_count() // int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # this rank's
+            workers = dict(num_workers=min(4, max(1, cores - 1)), pin_memory=True,
+                           persistent_workers=True)  # workers stay up from epoch to epoch
+        train_loader = DataLoader(train_set, cfg.batch_size, sampler=sampler, drop_last=True,
+                                  **workers)
         # Test: rank r scores images r, r + W, r + 2W, ...: each image exactly once (DistributedSampler
         # would pad with repeats, which would be counted twice).
         mine = Subset(test_set, range(dist.get_rank(), len(test_set), dist.get_world_size()))
         return train_loader, DataLoader(mine, 1000)
+
+    def prepare(self, images, labels, device, randomness=None):
+        """A batch on this rank's device, ready for the model. In training (`randomness`: a random
+        generator) each image is cropped at random (shifted by up to 4 pixels, edges mirrored) and
+        flipped with probability 1/2; then all are scaled to mean 0 and std 1 per channel. A few
+        operations on the whole batch, where per-image transforms take a dozen per image."""
+        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+        if images.dtype != torch.uint8:  # its loader prepared it (the speed layer's DeviceLoader)
+            return images, labels
+        if randomness is not None:
+            images = data.augment(images, pad=4, generator=randomness).contiguous()
+        return data.normalize(images), labels
 
     def optimizer(self, model, cfg, total_steps):
         """SGD with Nesterov momentum; the learning rate rises for a quarter of the steps, then falls."""
@@ -238,11 +257,12 @@ def train_one_epoch(t, epoch):
     """One pass over this rank's share of the training set; returns the seconds it took."""
     t.model.train()
     t.train_loader.sampler.set_epoch(epoch)  # a new shuffle each epoch (else every epoch repeats the first)
-    torch.manual_seed(t.cfg.seed * 1000 + epoch * 10 + t.rank)  # crops and flips: per rank, repeatable on resume
+    # Crops and flips: each rank its own, from (seed, epoch, rank): a resumed run draws the same.
+    randomness = torch.Generator(t.device).manual_seed(t.cfg.seed * 1000 + epoch * 10 + t.rank)
     losses, lrs = [], []
     start = window = time.perf_counter()
     for i, (images, labels) in enumerate(t.train_loader, start=1):
-        images, labels = images.to(t.device, non_blocking=True), labels.to(t.device, non_blocking=True)
+        images, labels = t.recipe.prepare(images, labels, t.device, randomness)
         lrs.append(t.schedule.get_last_lr()[0])
         losses.append(t.recipe.forward_backward(t.model, images, labels))  # stays on the device: no wait
         t.optimizer.step()
@@ -278,7 +298,7 @@ def evaluate(t):
         dist.broadcast(buffer, src=0)  # evaluate rank 0's everywhere, the model that rank 0 saves
     totals = torch.zeros(3, device=t.device)
     for images, labels in t.test_loader:
-        images, labels = images.to(t.device, non_blocking=True), labels.to(t.device, non_blocking=True)
+        images, labels = t.recipe.prepare(images, labels, t.device)
         logits = t.recipe.predict(t.module, images)
         totals[0] += F.cross_entropy(logits, labels, reduction="sum")
         totals[1] += (logits.argmax(1) == labels).sum()

@@ -252,24 +252,82 @@ def test_log_every_verbose_and_live_output(capsys):
     assert capsys.readouterr().out == ""
 
 
-class GpuLoaders(train.Plain):
+class GpuLoaders(Spy):
     """The trainer's data loaders for a GPU (worker processes), in a run on the CPU."""
 
     def loaders(self, cfg, device):
-        return super().loaders(cfg, torch.device("cuda", 0))
+        self.train_loader, self.test_loader = train.Plain.loaders(self, cfg, torch.device("cuda", 0))
+        return self.train_loader, self.test_loader
 
 
 @needs_mini
 @pytest.mark.filterwarnings("ignore:.*pin_memory", "ignore:This DataLoader will create")
 def test_resume_is_identical_with_the_gpu_data_loader_too(tmp_path):
-    # Persistent workers drew their random seeds once, in the first epoch: a resumed run cropped
-    # and flipped other than the uninterrupted one.
+    # The GPU loader's workers stay up from epoch to epoch (persistent_workers), keeping their random
+    # state: had they cropped and flipped, a resumed run would augment other than the uninterrupted one
+    # (it did, when they did). They only gather uint8 images; prepare() draws on the device.
     settings = dict(SMALL, epochs=2, checkpoint=str(tmp_path / "{epoch}.pt"))
-    full = train.run(GpuLoaders(), **settings)
+    recipe = GpuLoaders()
+    full = train.run(recipe, **settings)
+    loader = recipe.train_loader
+    assert loader.persistent_workers and loader.pin_memory and 1 <= loader.num_workers <= 4
     resumed = train.run(GpuLoaders(), **settings, resume=str(tmp_path / "0.pt"))
     assert [s["step"] for s in resumed["steps"]] == list(range(6, 11))
     assert [s["loss"][0] for s in resumed["steps"]] == pytest.approx([s["loss"][0] for s in full["steps"][5:]],
                                                                      abs=1e-6)
+
+
+@needs_mini
+def test_batches_travel_as_uint8_and_are_augmented_and_normalised_on_the_device():
+    cfg = train.make_config(**SMALL)
+    recipe = train.Plain()
+    train.setup(cfg)   # a world of one: the loaders take this rank's share
+    try:
+        train_loader, test_loader = recipe.loaders(cfg, torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()
+    images, labels = next(iter(train_loader))
+    assert images.dtype == torch.uint8 and images.shape == (10, 3, 32, 32) and labels.dtype == torch.int64
+    # the test set: normalised, never augmented
+    test_images, test_labels = next(iter(test_loader))
+    ready, same_labels = recipe.prepare(test_images, test_labels, torch.device("cpu"))
+    assert torch.equal(ready, data.normalize(test_images)) and torch.equal(same_labels, test_labels)
+    # training: what data.augment draws from the generator, then normalised; the same generator seed
+    # gives the same batch (what identical resume needs), another seed another one
+    def prepared(seed):
+        return recipe.prepare(images, labels, torch.device("cpu"), torch.Generator().manual_seed(seed))[0]
+    expected = data.normalize(data.augment(images, pad=4, generator=torch.Generator().manual_seed(1)))
+    assert prepared(1).dtype == torch.float32 and prepared(1).is_contiguous()
+    assert torch.equal(prepared(1), expected) and torch.equal(prepared(1), prepared(1))
+    assert not torch.equal(prepared(1), prepared(2)) and not torch.equal(prepared(1), data.normalize(images))
+    # a batch its loader already prepared (the speed layer's DeviceLoader) is left as it is
+    floats = torch.randn(4, 3, 32, 32)
+    assert recipe.prepare(floats, labels[:4], torch.device("cpu"), torch.Generator())[0] is floats
+
+
+def noting_augmentation_seeds(seeds):
+    """Wrap train.Plain.prepare so that each training batch notes its generator's seed in `seeds`;
+    returns the function that undoes it."""
+    real = train.Plain.prepare
+
+    def noting(self, images, labels, device, randomness=None):
+        if randomness is not None:
+            seeds.append(randomness.initial_seed())
+        return real(self, images, labels, device, randomness)
+
+    train.Plain.prepare = noting
+    return lambda: setattr(train.Plain, "prepare", real)
+
+
+@needs_mini
+def test_every_epoch_crops_and_flips_its_own_way():
+    seeds = []
+    undo = noting_augmentation_seeds(seeds)
+    try:
+        train.run(**SMALL, epochs=2, seed=3)
+    finally:
+        undo()
+    assert seeds == [3000] * 5 + [3010] * 5   # one generator per epoch (5 steps each), from seed and epoch
 
 
 # --------------------------------------------------- two ranks: DDP, checkpoints
@@ -332,10 +390,14 @@ def train_then_resume(folder):
 
 def on_two_ranks(folder):
     """What the two-rank tests below look at, from one launch (each launch costs seconds)."""
-    out = {"gradients": ddp_step_vs_hand_averaged()}
+    out = {"gradients": ddp_step_vs_hand_averaged(), "augmentation_seeds": []}
+    undo = noting_augmentation_seeds(out["augmentation_seeds"])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        train.run(**TINY, epochs=1)   # default settings; also lets lazy imports and caches settle
+        try:
+            train.run(**TINY, epochs=1)   # default settings; also lets lazy imports and caches settle
+        finally:
+            undo()
     out["warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught
                        if issubclass(w.category, (DeprecationWarning, FutureWarning)) or "deprecat" in str(w.message)]
     out["freed"] = trainer_freed_without_the_garbage_collector()
@@ -354,6 +416,11 @@ def test_ddp_gradients_equal_hand_averaged_gradients(two_ranks):
         assert r["ddp"] and r["max_diff"] < 1e-6, r
         assert r["changed_by_averaging"] > 1e-4, r  # the ranks' batches differ: averaging mattered
     assert results[0]["checksum"] == pytest.approx(results[1]["checksum"], rel=1e-6)  # same on every rank
+
+
+def test_every_rank_crops_and_flips_its_own_way(two_ranks):
+    seeds = [r["augmentation_seeds"] for r in two_ranks[1]]
+    assert seeds == [[0] * 10, [1] * 10]   # seed 0, epoch 0, rank 0 and 1: 10 steps of 25 images each
 
 
 def test_default_settings_raise_no_deprecation_warning(two_ranks):
