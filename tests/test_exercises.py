@@ -114,10 +114,12 @@ def timing(barrier=True, warm_up=True, clock_after_barrier=True, mean="sum / wor
 
 def test_all_reduce_timing_checker_accepts_the_solution_and_compares_the_prediction():
     measured_us = launch(solutions.my_all_reduce_time, 2, backend="gloo", args=(3 * 2**20,), quiet=True)[0] * 1e6
-    verdict = exercises.check_all_reduce_timing(solutions.my_all_reduce_time, measured_us)
+    # the algorithm is what these two check: a loose tolerance, as two timings on a busy machine may differ
+    verdict = exercises.check_all_reduce_timing(solutions.my_all_reduce_time, measured_us, tolerance=30)
     assert verdict, repr(verdict)
     assert "measured: all_reduce of 3 MiB on 2 Gloo ranks" in repr(verdict) and "predicted:" in repr(verdict)
-    assert exercises.check_all_reduce_timing(timing(), solutions.predicted_us(3 * 2**20, 0.0, 3 * 2**20 / measured_us / 1e3))
+    beta = 3 * 2**20 / measured_us / 1e3   # GB/s: the model t = 0 + S / beta predicts the measurement
+    assert exercises.check_all_reduce_timing(timing(), solutions.predicted_us(3 * 2**20, 0.0, beta), tolerance=30)
     unit_slip = exercises.check_all_reduce_timing(solutions.my_all_reduce_time, measured_us * 1e3)
     assert not unit_slip and "a unit slip? It is off by about 1e3" in repr(unit_slip), repr(unit_slip)
     missing = exercises.check_all_reduce_timing(solutions.my_all_reduce_time, None)
