@@ -197,6 +197,9 @@ def _plot_against_size(rows, ax, fit, key, ylabel, fitted):
             ax.plot(S, values, "--", color=line.get_color(), linewidth=1, label=fit_label_text)
             mark_regimes(ax, alpha, beta, line.get_color(), level)
     ax.set_yscale("log")
+    if any(t.get_gid() == "regime" for t in ax.texts):   # headroom: the labels sit above the curves
+        low, high = ax.get_ylim()
+        ax.set_ylim(low, high * (high / low) ** (0.1 * len(series(rows))))
     ax.yaxis.set_major_formatter(_PlainLog())
     ax.yaxis.set_minor_formatter(_PlainLog(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
     ax.set_ylabel(ylabel)
