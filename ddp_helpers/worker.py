@@ -19,6 +19,7 @@ import ast
 import dataclasses
 import faulthandler
 import linecache
+import multiprocessing
 import os
 import pickle
 import select
@@ -120,6 +121,11 @@ def setup_worker_process(local_rank, job):
     _exit_when_orphaned(job.launcher_pid)
     # `kill -USR1 <pid>` prints where every thread of this worker is: how a hang is found.
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    # multiprocessing gave this process the start method it came from (forkserver); a worker that
+    # torchrun starts has the platform's default. Set that back, so that processes a rank starts
+    # (a DataLoader's workers) start as they would there, not through a new fork server that first
+    # imports torch again.
+    multiprocessing.set_start_method(None, force=True)
     # torch was imported (in the forkserver) before this environment was set, so apply
     # what torch reads at import time by hand: threads, and TORCH_DISTRIBUTED_DEBUG.
     torch.set_num_threads(omp_threads(os.environ.get("OMP_NUM_THREADS", "1")))

@@ -848,3 +848,18 @@ def test_the_launch_uses_the_fork_server_import_started_and_its_ranks_collect_ga
     out = fork_servers(tmp_path, kernel=False, early="1", then_launch=True)
     assert (out["at_import"], out["after"], out["same"]) == (1, 1, True)
     assert out["ranks"] == [[True, True, True]] * 2
+
+
+def _start_method():
+    import multiprocessing
+    return multiprocessing.get_start_method()
+
+
+def test_a_rank_starts_its_own_processes_as_a_torchrun_worker_would():
+    """A rank comes from the forkserver, and multiprocessing hands a child the start method it was
+    started with: a DataLoader's workers in the rank then started through a new forkserver, which
+    imports torch anew (about 19 s before the first batch of notebook 06's GPU run on an H200 host
+    without .pyc files). A rank gets the platform's default, as a worker torchrun starts does."""
+    default = subprocess.run([sys.executable, "-c", "import multiprocessing; print(multiprocessing.get_start_method())"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    assert launch(_start_method, 2) == [default, default]
