@@ -2,6 +2,7 @@
 
     from ddp_helpers import launch
     results = launch(fn, world_size=4, backend="gloo")   # results[r] is what rank r returned
+    results = spawn(demo, args=(4,), nprocs=4)          # demo(rank, 4), as torch.multiprocessing.spawn
 
 How it works, and why:
 - Workers are started by `torch.multiprocessing.start_processes` with the
@@ -87,9 +88,81 @@ def launch(fn, world_size=2, backend="gloo", args=(), kwargs=None, timeout=120,
                             pg_timeout_s=timeout, run_dir=ranks.run_dir, env=ranks.env,
                             launcher_pid=os.getpid(), cell_sources=cell_sources)
             ranks.start(run_worker, (job,))
-            return _outcome(ranks, timeout, quiet)
+            return _outcome(ranks, timeout, quiet, _hint_for(fn, world_size))
     except KeyboardInterrupt:
         raise interrupted(INTERRUPTED) from None
+
+
+def spawn(fn, args=(), nprocs=1, join=True, daemon=False, start_method="spawn", *,
+          backend="gloo", timeout=120, init=True, env=None, quiet=False):
+    """Run `fn(rank, *args)` on `nprocs` ranks, as `torch.multiprocessing.spawn` does; return
+    a list of results by rank (what `launch` returns; mp.spawn itself returns None).
+
+    For the tutorials' `def demo(rank, world_size)`, launched as `mp.spawn(demo, args=(world_size,),
+    nprocs=world_size)`: the same line with `ddp_helpers.spawn` calls `demo` the same way, and
+    `demo` may be defined in a notebook cell. It is `launch` underneath: the ranks are started,
+    watched and stopped the same way, and errors raise `WorkerError` in the cell. The process group
+    is formed before `demo` runs, as with `launch`; a function that forms its own needs `init=False`.
+
+    fn:      called as `fn(rank, *args)`; rank is 0 .. nprocs-1.
+    args:    the arguments after the rank (a tuple), as in mp.spawn.
+    nprocs:  number of ranks (the world size).
+    join:    True only: spawn waits for the ranks (join=False, which returns a ProcessContext,
+             is not supported).
+    daemon:  accepted for mp.spawn's signature; the ranks end with the launch anyway.
+    start_method: accepted for mp.spawn's signature; ranks always start from the launcher's
+             fork server, so functions defined in the notebook work.
+    init:    as in `launch`: True forms the process group before `fn` (unlike mp.spawn); with
+             False `fn` calls `init_process_group` itself (RANK, WORLD_SIZE, MASTER_ADDR and
+             MASTER_PORT are set for it, so `init_process_group("gloo")` finds them).
+    backend: as in `launch`; so are `timeout`, `env` and `quiet`.
+    """
+    if join is not True:
+        raise ValueError(f"spawn(join={join!r}) is not supported: it always waits for the ranks "
+                         "and returns their results (join=False would return a ProcessContext)")
+    if not isinstance(args, (tuple, list)):
+        raise TypeError(f"args must be a tuple, got {type(args).__name__}")
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    try:
+        return launch(_call_with_rank, world_size=nprocs, backend=backend, args=(fn, *args),
+                      timeout=timeout, init=init, env=env, quiet=quiet)
+    except WorkerError as exc:
+        hint = _hint_for(fn, nprocs, spawned=True)(exc.exc_type, exc.exc_message)
+        if hint:
+            exc.args = (_insert_hint(str(exc), hint),)
+        raise
+
+
+def _call_with_rank(fn, *args):
+    """What `spawn` runs in each rank: mp.spawn's call, the rank first."""
+    return fn(int(os.environ["RANK"]), *args)
+
+
+def _hint_for(fn, world_size, spawned=False):
+    """A function of (exception type, message) that returns the line saying how to pass `fn`'s
+    positional arguments, when `fn` itself (not something it called) was called without them."""
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
+    short = getattr(fn, "__name__", name)
+
+    def hint(exc_type, message):
+        if name is None or exc_type != "TypeError" or not (message or "").startswith(
+                f"{name}() missing ") or "required positional argument" not in message:
+            return ""
+        if spawned:
+            return f"spawn calls {short}(rank, *args): give the arguments after rank in args=(...)"
+        for who in (short, "fn"):   # the function's own name, unless the line gets too long
+            line = (f"pass them as mp.spawn does: ddp_helpers.spawn({who}, args=({world_size},), "
+                    f"nprocs={world_size}), or launch(..., args=...)")
+            if len(line) <= 100:
+                return line
+        return line
+    return hint
+
+
+def _insert_hint(message, hint):
+    first, _, rest = message.partition("\n")
+    return f"{first}\n{hint}\n{rest}" if rest else f"{first}\n{hint}"
 
 
 # ---------------------------------------------------------------- input checks
@@ -158,7 +231,7 @@ def check_env(env):
 
 
 # ------------------------------------------------------------- what happened
-def _outcome(ranks, timeout, quiet):
+def _outcome(ranks, timeout, quiet, hint=None):
     """Wait for the ranks; return their results, or raise what went wrong."""
     run_dir, n = ranks.run_dir, ranks.world_size
 
@@ -197,11 +270,11 @@ def _outcome(ranks, timeout, quiet):
         ranks.stop()   # the others; what they printed last comes first
         detail = sorted(set(detail) | {r for r in gone
                                         if ranks.processes[r].exitcode != 0 or not finished(r)})
-        raise _failure_error(run_dir, ranks.processes, detail)
+        raise _failure_error(run_dir, ranks.processes, detail, hint)
     return [_read_result(run_dir, r) for r in range(n)]
 
 
-def _failure_error(run_dir, processes, failed):
+def _failure_error(run_dir, processes, failed, hint=None):
     """The error naming the rank that failed first. When one rank dies or raises in a collective,
     its peers raise "Connection closed by peer" a moment later. So ranks that crashed or left
     early (no Python exception) come first, then ranks that raised an error of their own, then
@@ -214,7 +287,11 @@ def _failure_error(run_dir, processes, failed):
     others = sorted(r for r in failures if r != first)
     note = f"other ranks then stopped: {others}" if others else ""
     if records[first]:
-        return error_from_record(first, records[first], run_dir, note, failures)
+        error = error_from_record(first, records[first], run_dir, note, failures)
+        line = hint(error.exc_type, error.exc_message) if hint else ""
+        if line:
+            error.args = (_insert_hint(str(error), line),)
+        return error
     tail = f"\n({note})" if note else ""
     return WorkerError(f"rank {first} {failures[first]}. Full logs: {run_dir}{tail}",
                        rank=first, log_dir=run_dir, failures=failures)

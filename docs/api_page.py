@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 # (title, module, intro from the module docstring?, members; "Class.method" documents a method)
 SECTIONS = [
     ("Starting workers: `launch`", "ddp_helpers.launcher", True,
-     ["launch", "WorkerError", "WorkerTimeout"]),
+     ["launch", "spawn", "WorkerError", "WorkerTimeout"]),
     ("The `%%ddp` cell magic", "ddp_helpers.magic", True, ["DDPMagics.ddp"]),
     ("The warm pool", "ddp_helpers.pool", True,
      ["Pool", "Pool.run_cell", "Pool.run", "Pool.push", "Pool.pull", "Pool.status", "Pool.stop"]),

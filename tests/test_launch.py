@@ -863,3 +863,73 @@ def test_a_rank_starts_its_own_processes_as_a_torchrun_worker_would():
     default = subprocess.run([sys.executable, "-c", "import multiprocessing; print(multiprocessing.get_start_method())"],
                              capture_output=True, text=True, check=True).stdout.strip()
     assert launch(_start_method, 2) == [default, default]
+
+
+# ---- mp.spawn-style functions: fn(rank, world_size) ----
+def demo_rank_world_size(rank, world_size):   # the tutorials' shape (ddp_tutorial.rst, dist_tuto.rst)
+    t = torch.ones(1) * (rank + 1)
+    dist.all_reduce(t)
+    return rank, world_size, dist.get_rank(), t.item()
+
+
+def spawn_forms_its_own_group(rank, world_size):
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)   # env:// from launch
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    return t.item()
+
+
+def test_spawn_calls_fn_with_the_rank_first_as_mp_spawn_does():
+    from ddp_helpers import spawn
+    assert spawn(demo_rank_world_size, args=(3,), nprocs=3) == [(r, 3, r, 6.0) for r in range(3)]
+
+
+def test_spawn_with_init_false_lets_fn_form_its_own_group():
+    from ddp_helpers import spawn
+    assert spawn(spawn_forms_its_own_group, args=(2,), nprocs=2, init=False) == [2.0, 2.0]
+
+
+def test_spawn_takes_mp_spawns_signature_and_refuses_what_it_cannot_do():
+    import inspect
+    from ddp_helpers import spawn
+    assert list(inspect.signature(spawn).parameters)[:6] == [
+        "fn", "args", "nprocs", "join", "daemon", "start_method"]
+    with pytest.raises(ValueError, match="join=False"):
+        spawn(demo_rank_world_size, args=(2,), nprocs=2, join=False)
+    with pytest.raises(TypeError, match="args must be a tuple"):
+        spawn(demo_rank_world_size, args=2, nprocs=2)
+
+
+def test_a_tutorial_function_launched_without_its_arguments_says_how_to_pass_them():
+    with pytest.raises(WorkerError) as caught:
+        launch(demo_rank_world_size, 2)
+    message = str(caught.value)
+    assert "missing 2 required positional arguments" in message
+    hint = [line for line in message.splitlines() if "ddp_helpers.spawn(" in line]
+    assert hint == [hint[0]] and len(hint[0]) <= 100, message
+    assert "spawn(demo_rank_world_size, args=(2,), nprocs=2)" in hint[0] or \
+        "spawn(fn, args=(2,), nprocs=2)" in hint[0]
+    assert "launch(..., args=" in hint[0]
+
+
+def test_a_type_error_from_inside_fn_gets_no_hint():
+    def inner(a, b):
+        return a + b
+
+    def calls_inner_wrongly():
+        return inner(1)
+
+    with pytest.raises(WorkerError) as caught:
+        launch(calls_inner_wrongly, 2)
+    assert "missing 1 required positional argument" in str(caught.value)
+    assert "ddp_helpers.spawn(" not in str(caught.value)
+
+
+def test_spawn_without_the_arguments_after_rank_says_so():
+    from ddp_helpers import spawn
+    with pytest.raises(WorkerError) as caught:
+        spawn(demo_rank_world_size, nprocs=2)
+    first, hint = str(caught.value).splitlines()[:2]
+    assert "missing 1 required positional argument: 'world_size'" in first
+    assert hint == "spawn calls demo_rank_world_size(rank, *args): give the arguments after rank in args=(...)"
