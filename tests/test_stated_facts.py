@@ -1,0 +1,74 @@
+"""Facts the notebooks state from torch's own source, checked against the installed torch.
+
+The notebooks prove most facts with live cells; these are the ones taught as text (they need NCCL,
+GPUs or a terminal), so a torch release that changes them fails here instead of leaving the text wrong.
+"""
+import inspect
+import os
+import re
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+
+def torch_version():
+    return tuple(int(part) for part in re.match(r"(\d+)\.(\d+)", torch.__version__).groups())
+
+
+def test_flight_recorder_is_on_by_default_with_2000_entries():
+    # Notebook 10: TORCH_FR_BUFFER_SIZE first, then TORCH_NCCL_TRACE_BUFFER_SIZE, default 2000.
+    header = os.path.join(os.path.dirname(torch.__file__), "include", "torch", "csrc", "distributed",
+                          "c10d", "FlightRecorder.hpp")
+    if not os.path.exists(header):
+        pytest.skip("this torch ships no C++ headers")
+    text = open(header).read()
+    read = re.search(r"max_entries_ = getCvarInt\(\s*\{([^}]*)\},\s*(\d+)\)", text)
+    assert read, "FlightRecorder.hpp no longer reads its buffer size the way notebook 10 says"
+    names = re.findall(r'"(\w+)"', read.group(1))
+    assert names == ["TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"]
+    assert int(read.group(2)) == 2000
+
+
+def test_breakpoint_reads_dev_stdin_and_lengthens_timeouts():
+    # Notebook 10: dist.breakpoint opens /dev/stdin (so it needs a terminal) and sets an hour's timeout.
+    assert "/dev/stdin" in inspect.getsource(dist._make_distributed_pdb)
+    assert inspect.signature(dist.breakpoint).parameters["timeout_s"].default == 3600
+
+
+def test_shrink_group_is_there_from_torch_2_10():
+    # Notebooks 01 and 04: new in torch 2.10 (torch 2.9.1's distributed_c10d.py has no shrink_group).
+    if torch_version() >= (2, 10):
+        assert hasattr(dist, "shrink_group")
+    else:
+        assert not hasattr(dist, "shrink_group")
+
+
+def test_torchrun_workers_use_the_agent_store_unless_sharing_is_disabled(monkeypatch):
+    # Notebook 01, "The store itself": the agent's store by default, a fresh one with the variable set.
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+    handler = object.__new__(DynamicRendezvousHandler)     # use_agent_store reads only the environment
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
+    assert handler.use_agent_store is True
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    assert handler.use_agent_store is False
+
+
+def test_without_the_agent_store_worker_rank_0_hosts_it(monkeypatch):
+    # ... and then the worker with RANK 0 starts the server (torch/distributed/rendezvous.py).
+    from torch.distributed.rendezvous import _create_c10d_store
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    # world_size=1: rank 0's server does not wait for the others to join before returning
+    server = _create_c10d_store("127.0.0.1", 0, rank=0, world_size=1, timeout=timedelta(seconds=10))
+    client = _create_c10d_store("127.0.0.1", server.port, rank=1, world_size=1, timeout=timedelta(seconds=10))
+    client.set("from rank 1", "hello")
+    assert server.get("from rank 1") == b"hello"
+
+
+def test_torchrun_agent_gives_workers_async_error_handling_1():
+    # Notebooks 04 and 09: the agent sets TORCH_NCCL_ASYNC_ERROR_HANDLING=1 unless it is set already.
+    from torch.distributed.elastic.agent.server import local_elastic_agent
+    source = inspect.getsource(local_elastic_agent)
+    assert re.search(r'"TORCH_NCCL_ASYNC_ERROR_HANDLING": os\.getenv\(\s*"TORCH_NCCL_ASYNC_ERROR_HANDLING",'
+                     r"\s*str\(1\)\s*\)", source)
