@@ -58,18 +58,36 @@ class Config:
 
 
 def checks(c):
+    """What makes a run impossible, found before any process starts: (ok, message) pairs."""
     below_1 = [f"{n}={getattr(c, n)}" for n in ("width", "epochs", "batch_size", "log_every", "per_class",
                "test_per_class", "max_steps", "fail_at_step") if getattr(c, n) is not None and getattr(c, n) < 1]
     return [(c.model in models.MODELS, f"model must be one of {list(models.MODELS)}, got {c.model!r}"),
             (not below_1, f"{', '.join(below_1)}: must be at least 1"),
-            (c.lr > 0, f"lr must be positive, got {c.lr}"),
+            (0 < c.lr < math.inf, f"lr must be a positive, finite number, got {c.lr}"),  # nan fails too
             (c.eval_every >= 0 and c.fail_rank >= 0, f"eval_every and fail_rank must be >= 0, got "
                                                      f"{c.eval_every} and {c.fail_rank}"),
             (c.device in ("auto", "cpu", "cuda"), f"device must be auto, cpu or cuda, got {c.device!r}"),
             (c.device != "cuda" or torch.cuda.is_available(), "device='cuda' but torch sees no GPU here"),
             (c.resume in (None, "auto") or os.path.isfile(c.resume), f"no checkpoint at resume={c.resume!r}"),
             (c.resume != "auto" or c.checkpoint, "resume='auto' looks for the files checkpoint names: set it"),
-            (c.data is None or os.path.isdir(c.data), f"data folder {c.data!r} does not exist")]
+            (c.data is None or os.path.isdir(c.data), f"data folder {c.data!r} does not exist"),
+            *checkpoint_checks(c.checkpoint)]
+
+
+def checkpoint_checks(template):
+    """The checkpoint name takes {epoch} only, and its folder (or the nearest that exists) must be writable."""
+    if template is None:
+        return []
+    try:
+        path = os.path.abspath(template.format(epoch=0))
+    except (KeyError, IndexError, ValueError):
+        return [(False, f"checkpoint={template!r}: the name may hold {{epoch}} (the epoch's number), nothing else")]
+    folder = os.path.dirname(path)
+    while not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    why = ("not a folder" if not os.path.isdir(folder) else
+           "no permission, or a read-only file system" if not os.access(folder, os.W_OK | os.X_OK) else None)
+    return [(why is None, f"checkpoint={template!r}: cannot write in {folder} ({why})")]
 
 
 def make_config(**settings):
@@ -155,7 +173,8 @@ class Plain:
     def optimizer(self, model, cfg, total_steps):
         """SGD with Nesterov momentum; the learning rate rises for a quarter of the steps, then falls."""
         optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9, nesterov=True, weight_decay=5e-4)
-        schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, cfg.lr, total_steps=total_steps, pct_start=0.25,
+        schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, cfg.lr, total_steps=total_steps,
+                                                       pct_start=rise(0.25, total_steps),
                                                        anneal_strategy="linear", cycle_momentum=False)
         return optimizer, schedule
 
@@ -173,6 +192,12 @@ class Plain:
 
     def close(self):
         """Free what the run holds before the process group goes (nothing here)."""
+
+
+def rise(share, total_steps):
+    """OneCycleLR's pct_start. Its rise ends at step share x total_steps - 1; at step 0 (4 steps of
+    0.25) it divides by zero, so there the rise takes 2 steps instead of 1."""
+    return 2 / total_steps if share * total_steps == 1 and total_steps >= 2 else share
 
 
 @dataclass

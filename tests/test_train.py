@@ -26,6 +26,8 @@ import io
 import json
 import os
 import re
+import subprocess
+import sys
 import warnings
 import weakref
 
@@ -36,7 +38,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_helpers import WorkerError, data, launch, live, machine, models, torchrun, train
-from conftest import launch_two_ranks_once, needs_mini
+from conftest import launch_two_ranks_once, needs_mini, seconds
 from like_torchrun import run_module_like_torchrun
 
 # A few seconds of CPU work on the mini set, on 2 ranks: 500 training images, a 0.01M-parameter net.
@@ -512,7 +514,15 @@ BAD_SETTINGS = [  # (settings, error, a regular expression for its message)
     *[({name: 0}, ValueError, name + r"\b.* must be at least 1")
       for name in ("width", "epochs", "batch_size", "per_class", "test_per_class", "max_steps", "log_every",
                    "fail_at_step")],
-    (dict(lr=0), ValueError, r"lr must be positive, got 0"),
+    (dict(lr=0), ValueError, r"lr must be a positive, finite number, got 0"),
+    (dict(lr=float("inf")), ValueError, r"lr must be a positive, finite number, got inf"),  # trained to nan
+    (dict(lr=float("nan")), ValueError, r"lr must be a positive, finite number, got nan"),
+    (dict(checkpoint="ck/{step}.pt"), ValueError,        # these failed after the first epoch
+     r"checkpoint='ck/\{step\}.pt': the name may hold \{epoch\} \(the epoch's number\), nothing else"),
+    (dict(checkpoint="ck/{}.pt"), ValueError, r"checkpoint='ck/\{\}.pt': the name may hold \{epoch\}"),
+    (dict(checkpoint="ck/{epoch.pt"), ValueError, r"checkpoint='ck/\{epoch.pt': the name may hold \{epoch\}"),
+    (dict(checkpoint=__file__ + "/ck.pt"), ValueError,                  # a file where a folder should be
+     re.escape(f"checkpoint='{__file__}/ck.pt': cannot write in {__file__} (not a folder)")),
     (dict(eval_every=-1), ValueError, r"eval_every .*>= 0"),
     (dict(fail_rank=-1), ValueError, r"fail_rank must be >= 0, got .* and -1"),
     (dict(device="tpu"), ValueError, r"device must be auto, cpu or cuda, got 'tpu'"),
@@ -587,3 +597,17 @@ def test_a_fault_for_a_rank_that_does_not_exist_is_a_clear_error():
     # fail_rank=2 in a world of 2: the injected fault would silently never fire
     with pytest.raises(WorkerError, match=r"fail_rank=2, but there are 2 rank\(s\)"):
         launch(train.run, 2, "gloo", kwargs=dict(TINY, fail_at_step=3, fail_rank=2), quiet=True)
+
+
+# ------------------------------------------- faults: settings that cannot work, saves, resumes
+@needs_mini
+@pytest.mark.parametrize("steps", [1, 2, 3, 4, 5, 8])
+def test_short_runs_train_with_the_whole_schedule(steps):
+    # OneCycleLR divided by zero when its rise ended at step 0 (0.25 x 4 - 1 = 0): 4 steps failed
+    record = train.run(**SMALL, lr=0.2, epochs=2, max_steps=steps)
+    rates = lrs(record)
+    assert record["total_steps"] == len(rates) == steps and all(0 < r <= 0.2 * 1.001 for r in rates)
+    if steps > 1:
+        assert rates[-1] == pytest.approx(0.2 / 25 / 1e4)   # it still ends at OneCycleLR's end
+
+
