@@ -24,15 +24,45 @@ their variables from cell to cell:
     %ddp pull loss              # each rank's value of a variable
     %ddp stop                   # end the ranks
 """
+import argparse
+
+from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from .cells import PerRank, globals_to_send
-from .launcher import launch
+from .launcher import WorkerError, check_timeout, check_world_size, launch, resolve_backend
 from .pool import Pool
 from .worker import run_cell
 
 LINE_COMMANDS = ("start", "stop", "status", "push", "pull")
+
+
+def _positive_int(text):
+    """-n: a whole number of ranks, at least 1 (argparse turns the error into a UsageError)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"the number of ranks must be a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"the number of ranks must be at least 1, got {value}")
+    return value
+
+
+def _checked(opts):
+    """Mistakes in the options, found before any process starts: IPython's UsageError (as
+    ipyparallel's magics do), one line, no traceback."""
+    try:
+        if opts.nprocs is not None:
+            check_world_size(opts.nprocs)
+        if opts.backend is not None:
+            resolve_backend(opts.backend, opts.nprocs or 2)
+        check_timeout(opts.timeout)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(str(exc)) from None
+    if opts.out is not None and not opts.out.isidentifier():
+        raise UsageError(f"-o NAME: a Python variable name, got {opts.out!r}")
+    return opts
 
 
 @magics_class
@@ -42,7 +72,7 @@ class DDPMagics(Magics):
 
     @line_cell_magic
     @magic_arguments()
-    @argument("-n", "--nprocs", type=int, default=None, help="number of ranks (default 2)")
+    @argument("-n", "--nprocs", type=_positive_int, default=None, help="number of ranks (default 2)")
     @argument("-b", "--backend", default=None, help="gloo, nccl or auto (default gloo)")
     @argument("-t", "--timeout", type=float, default=120, help="%%%%ddp: seconds before the ranks are stopped")
     @argument("-o", "--out", default=None, help="%%%%ddp: also keep the per-rank values in this variable")
@@ -51,18 +81,18 @@ class DDPMagics(Magics):
     def ddp(self, line, cell=None):
         """%%ddp [-n N] [-b BACKEND] [-t SECONDS] [-o NAME]: run this cell on every rank.
         %ddp start|stop|status|push NAMES|pull NAME: manage a warm pool of ranks."""
-        opts = parse_argstring(self.ddp, line)
+        opts = _checked(parse_argstring(self.ddp, line))
         if cell is None:
             return self._line(opts)
         if opts.command:
-            raise ValueError(f"%%ddp takes options only, got {' '.join(opts.command)!r}: "
+            raise UsageError(f"%%ddp takes options only, got {' '.join(opts.command)!r}: "
                              "start, stop, status, push and pull go with %ddp (one %)")
         DDPMagics._cells_run += 1
         filename = f"<ddp-cell-{DDPMagics._cells_run}>"
         pool = DDPMagics.pool
         if pool is not None:
             if opts.nprocs not in (None, pool.world_size) or opts.backend not in (None, pool.backend):
-                raise ValueError(f"a pool of {pool.world_size} {pool.backend} ranks is running: "
+                raise UsageError(f"a pool of {pool.world_size} {pool.backend} ranks is running: "
                                  "drop -n/-b, or `%ddp stop` it first")
             values = pool.run_cell(cell, self.shell.user_ns, filename, timeout=opts.timeout)
         else:
@@ -77,8 +107,10 @@ class DDPMagics(Magics):
     def _line(self, opts):
         command, names = (opts.command[0], opts.command[1:]) if opts.command else ("", [])
         if command not in LINE_COMMANDS:
-            raise ValueError(f"unknown %ddp command {command!r}: use start, stop, status, push or pull "
+            raise UsageError(f"unknown %ddp command {command!r}: use start, stop, status, push or pull "
                              "(and %%ddp, with two %, to run a cell)")
+        if names and command in ("start", "stop", "status"):
+            raise UsageError(f"%ddp {command} takes no names, got {' '.join(names)!r}")
         if command == "start":
             if DDPMagics.pool is not None:
                 DDPMagics.pool.stop()
@@ -89,7 +121,7 @@ class DDPMagics(Magics):
             return None
         pool = DDPMagics.pool
         if pool is None:
-            raise RuntimeError("no pool is running: `%ddp start -n 4` starts one")
+            raise UsageError("no pool is running: `%ddp start -n 4` starts one")
         if command == "stop":
             pool.stop()
             DDPMagics.pool = None
@@ -101,12 +133,18 @@ class DDPMagics(Magics):
         elif command == "push":
             missing = [n for n in names if n not in self.shell.user_ns]
             if not names or missing:
-                raise NameError(f"%ddp push NAME [NAME ...]: not defined in the notebook: {missing or 'no names given'}")
+                raise UsageError(f"%ddp push NAME [NAME ...]: not defined in the notebook: {missing or 'no names given'}")
             pool.push(**{n: self.shell.user_ns[n] for n in names})
         else:
             if len(names) != 1:
-                raise ValueError(f"%ddp pull NAME: one variable name, got {names}")
-            return pool.pull(names[0])
+                raise UsageError(f"%ddp pull NAME: one variable name, got {names}")
+            try:
+                return pool.pull(names[0])
+            except WorkerError as exc:
+                if exc.exc_type == "NameError" and "has no variable" in (exc.exc_message or ""):
+                    raise UsageError(f"%ddp pull {names[0]}: {exc.exc_message} (set it in a %%ddp cell, "
+                                     "or `%ddp push` it)") from None
+                raise
         return None
 
 

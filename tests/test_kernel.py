@@ -164,3 +164,43 @@ def test_kernel_shutdown_leaves_no_pool_worker(tmp_path):
     pids = [int(p) for p in (tmp_path / "pids").read_text().split()]
     assert len(pids) == 3
     assert wait_until_dead(pids, seconds(5)) == []
+
+
+def test_mistakes_in_the_magics_are_usage_errors_and_start_nothing():
+    mistakes = {   # cell -> words the message must have
+        "%%ddp -n 0\nprint('ran on', rank)": "-n",
+        "%%ddp -n -1\nprint('ran on', rank)": "-n",
+        "%%ddp -n 65\nprint('ran on', rank)": "between 1 and 64",
+        "%%ddp -b bogus\nprint('ran on', rank)": "unknown backend 'bogus'",
+        "%%ddp -t 0\nprint('ran on', rank)": "timeout must be a positive number",
+        "%%ddp -o 1bad\nprint('ran on', rank)": "-o",
+        "%%ddp stop\nprint('ran on', rank)": "%%ddp takes options only",
+        "%ddp bogus": "unknown %ddp command 'bogus'",
+        "%ddp stop": "no pool is running",
+        "%ddp pull x": "no pool is running",
+        "%ddp start -n 0": "-n",
+        "%ddp start -b bogus": "unknown backend 'bogus'",
+    }
+    with_pool = {
+        "%ddp push not_defined_anywhere": "not defined in the notebook: ['not_defined_anywhere']",
+        "%ddp push": "no names given",
+        "%ddp pull": "one variable name",
+        "%ddp pull a b": "one variable name",
+        "%ddp pull not_there": "no variable 'not_there'",
+        "%%ddp -n 3\nprint('ran on', rank)": "a pool of 2 gloo ranks is running",
+        "%ddp status extra": "takes no names",
+        "%ddp start -n 0": "-n",
+    }
+    cells = (["%load_ext ddp_helpers"] + list(mistakes) + ["%ddp start -n 2"] + list(with_pool)
+             + ["%%ddp\nprint('ran on', rank)", "%ddp stop"])
+    out = run_notebook(cells, timeout=seconds(60))
+    expected = [None] + list(mistakes.values()) + [None] + list(with_pool.values())
+    for cell, source, words in zip(out, cells, expected):
+        if words is None:
+            continue
+        text = text_of(cell)
+        assert text.startswith("UsageError: ") and words in text, (source, text)
+        assert "Traceback" not in text and "[rank" not in text, (source, text)
+    assert "ddp pool: 2 ranks ready" in text_of(out[len(mistakes) + 1])
+    after = text_of(out[-2])
+    assert "[rank 0] ran on 0" in after and "[rank 1] ran on 1" in after, "the pool survives the mistakes"
