@@ -11,7 +11,7 @@ evaluate its share of the test set and sum the counts over ranks. Rank 0 saves c
 The choices that a speed layer may replace (model, DDP wrapper, data loaders and batches, optimizer, the
 step, prediction) are the methods of `Plain`; `ddp_helpers.speed.Speedups` is such a layer.
 """
-import dataclasses, glob, math, os, re, signal, sys, time
+import dataclasses, errno, glob, io, math, os, pathlib, re, signal, stat, sys, tempfile, time
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -82,9 +82,7 @@ def checkpoint_checks(template):
         path = os.path.abspath(template.format(epoch=0))
     except (KeyError, IndexError, ValueError):
         return [(False, f"checkpoint={template!r}: the name may hold {{epoch}} (the epoch's number), nothing else")]
-    folder = os.path.dirname(path)
-    while not os.path.exists(folder):
-        folder = os.path.dirname(folder)
+    folder = nearest_folder(os.path.dirname(path))
     why = ("not a folder" if not os.path.isdir(folder) else
            "no permission, or a read-only file system" if not os.access(folder, os.W_OK | os.X_OK) else None)
     return [(why is None, f"checkpoint={template!r}: cannot write in {folder} ({why})")]
@@ -336,16 +334,64 @@ def evaluate(t):
 # ----------------------------------------------------------- 7. checkpoints
 def save_checkpoint(t, path, epoch):
     """Rank 0 writes the training state while the others wait: the first barrier makes sure every rank
-    finished the epoch, the second that nobody goes on before the file exists. Written under a
-    temporary name and renamed: a crash mid-write never leaves half a checkpoint."""
+    finished the epoch, the second that nobody goes on before the file exists."""
     barrier(t.device)
     if t.rank == 0:
         state = {"model": t.module.state_dict(), "optimizer": t.optimizer.state_dict(),
-                 "schedule": t.schedule.state_dict(), "epoch": epoch, "step": t.step}
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        torch.save(state, path + ".tmp")
-        os.replace(path + ".tmp", path)
+                 "schedule": t.schedule.state_dict(), "epoch": epoch, "step": t.step,
+                 "total_steps": t.total_steps, "steps_per_epoch": len(t.train_loader)}
+        write_privately(state, path)
     barrier(t.device)
+
+
+def write_privately(state, path):
+    """torch.save to a temporary file of its own in the same folder, then rename it (atomic): a reader
+    sees the old file or the new one, never half of one, and two writers never share a temporary file.
+    Only its owner may read it (0600; folders made here 0700), unless the learner chose a shared folder:
+    one with the setgid bit (`chmod g+s`, how a group's folder is set up), where the umask decides."""
+    folder = os.path.dirname(os.path.abspath(path))
+    shared = nearest_folder(folder).stat().st_mode & stat.S_ISGID
+    make_folders(folder, 0o777 if shared else 0o700)
+    handle, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(handle, "wb") as f:
+            f.write(to_bytes(state))  # a full disk fails here with ENOSPC (torch.save would not say so)
+        if shared:
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(temporary, 0o666 & ~umask)
+        os.replace(temporary, path)
+    except BaseException as err:
+        os.unlink(temporary)  # nothing left behind
+        if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+            full = OSError(f"checkpoint not saved: the disk is full ({folder})")
+            full.errno = errno.ENOSPC
+            raise full from err
+        raise
+
+
+def to_bytes(state):
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getbuffer()
+
+
+def nearest_folder(folder):
+    """The folder, or its nearest ancestor that exists."""
+    folder = pathlib.Path(folder)
+    while not folder.exists():
+        folder = folder.parent
+    return folder
+
+
+def make_folders(folder, mode):
+    """os.makedirs with `mode` for every folder it makes (makedirs gives it to the last one only)."""
+    if not os.path.isdir(folder):
+        make_folders(os.path.dirname(folder), mode)
+        try:
+            os.mkdir(folder, mode)
+        except FileExistsError:  # another writer made it meanwhile
+            pass
 
 
 def newest_checkpoint(pattern):
