@@ -11,7 +11,7 @@ evaluate its share of the test set and sum the counts over ranks. Rank 0 saves c
 The choices that a speed layer may replace (model, DDP wrapper, data loaders and batches, optimizer, the
 step, prediction) are the methods of `Plain`; `ddp_helpers.speed.Speedups` is such a layer.
 """
-import dataclasses, errno, glob, io, math, os, pathlib, re, signal, stat, sys, tempfile, time
+import dataclasses, errno, glob, io, math, os, pathlib, re, signal, stat, sys, tempfile, time, warnings
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -80,8 +80,9 @@ def checkpoint_checks(template):
         return []
     try:
         path = os.path.abspath(template.format(epoch=0))
-    except (KeyError, IndexError, ValueError):
-        return [(False, f"checkpoint={template!r}: the name may hold {{epoch}} (the epoch's number), nothing else")]
+    except (KeyError, IndexError, ValueError, TypeError, AttributeError):
+        return [(False, f"checkpoint={template!r}: the name may hold {{epoch}} (the epoch's number), "
+                        "nothing else")]
     folder = nearest_folder(os.path.dirname(path))
     why = ("not a folder" if not os.path.isdir(folder) else
            "no permission, or a read-only file system" if not os.access(folder, os.W_OK | os.X_OK) else None)
@@ -417,12 +418,36 @@ def find_resume(t):
 
 
 def load_checkpoint(t, path):
-    """map_location: tensors saved from cuda:0 would otherwise all land on cuda:0."""
+    """Continue after the checkpoint's epoch. With the settings it was saved with, exactly as if never
+    stopped. With another length, batch size or world size, this run's schedule is moved on to the
+    step this run would be at, and a line says so (the momentum still comes from the checkpoint).
+    map_location: tensors saved from cuda:0 would otherwise all land on cuda:0."""
     state = torch.load(path, map_location=t.device, weights_only=True)
     t.module.load_state_dict(state["model"])
-    t.optimizer.load_state_dict(state["optimizer"])
-    t.schedule.load_state_dict(state["schedule"])
-    t.step, t.start_epoch = state["step"], state["epoch"] + 1
+    t.start_epoch = state["epoch"] + 1
+    t.step = min(t.start_epoch * len(t.train_loader), t.total_steps)
+    saved, total = state["optimizer"], state.get("total_steps", state["schedule"].get("total_steps"))
+    if (state["step"], total, settings_of(saved["param_groups"])) == (
+            t.step, t.total_steps, settings_of(t.optimizer.param_groups)):
+        t.optimizer.load_state_dict(saved)
+        t.schedule.load_state_dict(state["schedule"])
+        return
+    mine = t.optimizer.state_dict()["param_groups"]  # this run's learning rates, the saved momentum
+    t.optimizer.load_state_dict({"state": saved["state"], "param_groups": [
+        dict(group, params=old["params"]) for group, old in zip(mine, saved["param_groups"])]})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "lr_scheduler.step() before optimizer.step()": meant
+        for _ in range(t.step):
+            t.schedule.step()
+    if t.rank == 0:
+        per_epoch = state.get("steps_per_epoch", state["step"] // t.start_epoch)
+        say(f"resume: schedule re-made for {t.total_steps} steps ({len(t.train_loader)} an epoch); "
+            f"the checkpoint's run had {total} ({per_epoch} an epoch)")
+
+
+def settings_of(param_groups):
+    """An optimizer's settings (learning rates, momentum, ...), without its parameters and current lr."""
+    return [{k: v for k, v in group.items() if k not in ("params", "lr")} for group in param_groups]
 
 
 # ------------------------------------------------------------ small helpers

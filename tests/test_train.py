@@ -720,3 +720,38 @@ def test_a_read_only_folder_is_refused_up_front_and_a_full_disk_is_named(tmp_pat
     assert out["left"] == [], out   # no temporary file left behind
 
 
+@needs_mini
+def test_resume_with_more_epochs_remakes_the_schedule(tmp_path, capsys):
+    # The loaded schedule kept the old length: "Tried to step 11 times. The specified number of total
+    # steps is 10". Now it is made for this run's steps and says so in one line.
+    train.run(**SMALL, epochs=2, checkpoint=str(tmp_path / "{epoch}.pt"))
+    capsys.readouterr()
+    longer = train.run(**SMALL, epochs=4, resume=str(tmp_path / "1.pt"))    # verbose=False: said all the same
+    out = capsys.readouterr().out.splitlines()
+    fresh = train.run(**SMALL, epochs=4)
+    assert [s["step"] for s in longer["steps"]] == list(range(11, 21))
+    assert lrs(longer) == pytest.approx(lrs(fresh)[10:])
+    assert out == ["resume: schedule re-made for 20 steps (5 an epoch); the checkpoint's run had 10 (5 an epoch)"]
+
+
+@needs_mini
+def test_resume_with_another_batch_size_remakes_the_schedule(tmp_path):
+    train.run(**SMALL, epochs=2, checkpoint=str(tmp_path / "{epoch}.pt"))   # 5 steps an epoch
+    resumed = train.run(**dict(SMALL, batch_size=5), epochs=2, resume=str(tmp_path / "0.pt"))
+    fresh = train.run(**dict(SMALL, batch_size=5), epochs=2)                  # 10 steps an epoch
+    assert [s["step"] for s in resumed["steps"]] == list(range(11, 21))       # from epoch 2 on
+    assert lrs(resumed) == pytest.approx(lrs(fresh)[10:])
+
+
+@needs_mini
+def test_resume_with_another_world_size_remakes_the_schedule(two_ranks):
+    folder = two_ranks[0]      # full-0.pt: 2 ranks, 10 steps an epoch; here 1 rank: 20 an epoch
+    resumed = train.run(**TINY, epochs=3, resume=str(folder / "full-0.pt"))
+    assert resumed["total_steps"] == 60 and [s["step"] for s in resumed["steps"]] == list(range(21, 61))
+    schedule = train.Plain().optimizer(torch.nn.Linear(1, 1), train.make_config(**TINY, epochs=3), 60)[1]
+    expected = []
+    for _ in range(60):
+        expected.append(schedule.get_last_lr()[0])
+        schedule.optimizer.step()
+        schedule.step()
+    assert lrs(resumed) == pytest.approx(expected[20:])
