@@ -136,8 +136,7 @@ class Pool:
         self._replace_dead_ranks()
         if self._ranks is None:
             self._start()
-            print(f"ddp pool: started {self.world_size} new ranks ({self.backend}); their variables are empty.",
-                  file=sys.stderr)
+            _notice(f"started {self.world_size} new ranks ({self.backend}); their variables are empty.")
         for conn in self._conns:
             try:
                 conn.send_bytes(message)
@@ -154,8 +153,7 @@ class Pool:
             how = "; ".join(f"rank {r} {describe_exit(code)}" for r, code in dead)
             self._ranks.output.drain()
             self._discard()
-            print(f"ddp pool: {how} while idle (logs: {self.run_dir}); the ranks were stopped.",
-                  file=sys.stderr)
+            _notice(f"{how} while idle (logs: {self.run_dir}); the ranks were stopped.")
 
     def _collect(self, timeout, what):
         """Wait for one reply per rank, printing output meanwhile; raise on any failure."""
@@ -189,8 +187,7 @@ class Pool:
         errors = sorted(r for r, reply in replies.items() if reply[0] == "error")
         if not all(reply[2] for reply in replies.values()):
             self._discard()
-            print(f"ddp pool: the cell destroyed the process group, so the ranks were stopped; {RESET}.",
-                  file=sys.stderr)
+            _notice(f"the cell destroyed the process group, so the ranks were stopped; {RESET}.")
         if errors:
             if what == "start":
                 self._discard()
@@ -223,6 +220,13 @@ class Pool:
             conn.close()
         if ranks is not None:
             ranks.close()
+
+
+def _notice(text):
+    """Information, not an error: stdout (errors alone go to stderr, shown in red), flushed now so
+    that it comes before the output the ranks print next."""
+    sys.stderr.flush()
+    print(f"ddp pool: {text}", flush=True)
 
 
 def _message(request):

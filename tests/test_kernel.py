@@ -204,3 +204,17 @@ def test_mistakes_in_the_magics_are_usage_errors_and_start_nothing():
     assert "ddp pool: 2 ranks ready" in text_of(out[len(mistakes) + 1])
     after = text_of(out[-2])
     assert "[rank 0] ran on 0" in after and "[rank 1] ran on 1" in after, "the pool survives the mistakes"
+
+
+def test_pool_notices_come_before_the_cells_output_on_stdout():
+    cells = ["%load_ext ddp_helpers", "%ddp start -n 2",
+             "%%ddp\nprint('bye from', rank)\ndist.destroy_process_group()",
+             "%%ddp\nprint('hello from', rank)", "%ddp stop"]
+    out = run_notebook(cells, timeout=seconds(60))
+    for cell in out[2:4]:
+        assert [o.name for o in cell.outputs if o.output_type == "stream" and o.name == "stderr"] == [], \
+            f"information is not an error: {cell.outputs}"
+    assert text_of(out[2]).index("[rank 0] bye from 0") < text_of(out[2]).index("destroyed the process group")
+    text = text_of(out[3])
+    assert text.startswith("ddp pool: started 2 new ranks"), text
+    assert "[rank 0] hello from 0" in text

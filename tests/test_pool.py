@@ -152,9 +152,11 @@ def test_a_rank_dying_while_idle_is_reported_and_the_next_cell_runs_on_fresh_ran
     while pool.status()[1]["state"] != "dead" and time.monotonic() < deadline:
         time.sleep(0.05)
     assert pool.status()[1]["state"] == "dead"
-    assert list(pool.run_cell("rank")) == [0, 1, 2]
-    err = capfd.readouterr().err
-    assert re.search(r"rank 1 was killed by signal SIGKILL.* while idle", err) and "variables are empty" in err
+    assert list(pool.run_cell("print('hello from', rank)\nrank")) == [0, 1, 2]
+    out, err = capfd.readouterr()
+    assert "ddp pool" not in err, "a notice is information, not an error: stdout"
+    assert re.search(r"rank 1 was killed by signal SIGKILL.* while idle", out) and "variables are empty" in out
+    assert out.index("variables are empty") < out.index("[rank 0] hello from 0"), "notices come first"
     assert not any(pid_alive(p) for p in old)
     os.kill(pids(pool)[0], signal.SIGKILL)   # push and pull repair it too
     time.sleep(0.2)
@@ -165,6 +167,11 @@ def test_a_rank_dying_while_idle_is_reported_and_the_next_cell_runs_on_fresh_ran
 def test_a_cell_that_destroys_the_process_group_leaves_a_pool_that_repairs_itself(pool, capfd):
     old = pids(pool)
     pool.run_cell("dist.destroy_process_group()")
-    assert "destroyed the process group" in capfd.readouterr().err
-    assert list(pool.run_cell("t = torch.ones(1)\ndist.all_reduce(t)\nint(t.item())")) == [3, 3, 3]
+    out, err = capfd.readouterr()
+    assert "destroyed the process group" in out and "ddp pool" not in err
+    assert list(pool.run_cell("t = torch.ones(1)\ndist.all_reduce(t)\nprint('sum', int(t.item()))\n"
+                              "int(t.item())")) == [3, 3, 3]
+    out, err = capfd.readouterr()
+    assert "ddp pool" not in err
+    assert out.index("ddp pool: started 3 new ranks") < out.index("[rank 0] sum 3"), "notices come first"
     assert set(pids(pool)).isdisjoint(old)
