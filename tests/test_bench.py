@@ -453,3 +453,48 @@ def test_cli_never_puts_two_nccl_ranks_on_one_gpu(monkeypatch, capsys, gpus, exp
         with pytest.raises(SystemExit):
             bench.parse_args(["--nproc", "2", "--backend", "nccl"])
         assert "needs one GPU per rank: 2 ranks here" in capsys.readouterr().err
+
+
+# ------------------------------------------------- sizes beyond memory, no ranks
+def test_sizes_beyond_memory_are_refused_before_any_rank_starts(monkeypatch, capsys):
+    # -b 1T -e 1T gave a raw allocator error from a rank; a size near the memory summoned the OOM killer
+    import ddp_helpers.launcher
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("a rank was started")
+
+    monkeypatch.setattr(ddp_helpers.launcher, "launch", no_launch)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ValueError, match=r"^1 TiB messages need about .* of memory on 2 ranks; this machine has "
+                                         r".* GiB available: choose a smaller largest size$"):
+        bench.measure("all_reduce", [8, 2**40], device="cpu")
+    with pytest.raises(ValueError, match="messages need about"):
+        bench.main(["-b", "1T", "-e", "1T"])
+    assert capsys.readouterr().out == ""
+    done = subprocess.run([sys.executable, "-m", "ddp_helpers.bench", "-b", "8", "-e", "64G", "--device", "cpu"],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and done.stderr.startswith("error: 64 GiB messages need about"), done.stderr
+
+
+def test_no_ranks_is_refused_before_anything_is_said(capsys):
+    # --nproc 0 first printed "chose device cuda and backend nccl (0 rank(s))"
+    for argv in (["--nproc", "0"], ["--nproc", "-1"]):
+        with pytest.raises(SystemExit) as done:
+            bench.main(argv)
+        assert done.value.code == 2
+        printed = capsys.readouterr()
+        assert printed.out == "" and "chose" not in printed.err
+        assert f"--nproc must be at least 1, got {argv[1]}" in printed.err
+
+
+def test_gpu_sizes_are_checked_against_each_gpus_free_memory():
+    GiB = 2**30   # rank r uses GPU r % count; each holds (2 + 24 / 4) x 16 GiB = 128 GiB of float32 work
+    with pytest.raises(ValueError, match=r"^16 GiB messages need about 256 GiB of memory on 2 ranks; "
+                                         r"GPU 0 has 10 GiB available"):
+        bench.check_memory(16 * GiB, "float", 2, "cuda", gpu_free=[10 * GiB])
+    with pytest.raises(ValueError, match="need about 128 GiB .* on 3 ranks; GPU 1 has 100 GiB available"):
+        bench.check_memory(16 * GiB, "float", 3, "cuda", gpu_free=[300 * GiB, 100 * GiB])
+    bench.check_memory(16 * GiB, "float", 3, "cuda", gpu_free=[300 * GiB, 200 * GiB])   # fits: no error
+    if not machine.gpu_count():
+        assert bench.gpu_free_bytes() == []
