@@ -171,10 +171,11 @@ class Plain:
 
     def optimizer(self, model, cfg, total_steps):
         """SGD with Nesterov momentum; the learning rate rises for a quarter of the steps, then falls."""
-        optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9, nesterov=True, weight_decay=5e-4)
-        schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, cfg.lr, total_steps=total_steps,
-                                                       pct_start=rise(0.25, total_steps),
-                                                       anneal_strategy="linear", cycle_momentum=False)
+        optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9, nesterov=True,
+                                    weight_decay=5e-4)
+        schedule = torch.optim.lr_scheduler.OneCycleLR(
+            optimizer, cfg.lr, total_steps=total_steps, pct_start=rise(0.25, total_steps),
+            anneal_strategy="linear", cycle_momentum=False)
         return optimizer, schedule
 
     def forward_backward(self, model, images, labels):
@@ -346,28 +347,25 @@ def save_checkpoint(t, path, epoch):
 
 
 def write_privately(state, path):
-    """torch.save to a temporary file of its own in the same folder, then rename it (atomic): a reader
-    sees the old file or the new one, never half of one, and two writers never share a temporary file.
-    Only its owner may read it (0600; folders made here 0700), unless the learner chose a shared folder:
-    one with the setgid bit (`chmod g+s`, how a group's folder is set up), where the umask decides."""
+    """torch.save to a temporary file of our own in the same folder, then rename it (atomic): a reader
+    sees the old file or the new one, never half of one, and two writers never share a temporary
+    file. Only the owner may read it (0600, new folders 0700) unless the learner chose a shared
+    folder: one with the setgid bit (`chmod g+s`, as a group's folder is set up); there the umask
+    decides, as for any file."""
     folder = os.path.dirname(os.path.abspath(path))
     shared = nearest_folder(folder).stat().st_mode & stat.S_ISGID
     make_folders(folder, 0o777 if shared else 0o700)
-    handle, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+    handle, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=folder)  # 0600
     try:
         with os.fdopen(handle, "wb") as f:
-            f.write(to_bytes(state))  # a full disk fails here with ENOSPC (torch.save would not say so)
+            f.write(to_bytes(state))  # a full disk raises ENOSPC here (inside torch.save it would not)
         if shared:
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(temporary, 0o666 & ~umask)
+            os.chmod(temporary, 0o666 & ~current_umask())
         os.replace(temporary, path)
     except BaseException as err:
         os.unlink(temporary)  # nothing left behind
-        if isinstance(err, OSError) and err.errno == errno.ENOSPC:
-            full = OSError(f"checkpoint not saved: the disk is full ({folder})")
-            full.errno = errno.ENOSPC
-            raise full from err
+        if getattr(err, "errno", None) == errno.ENOSPC:
+            raise OSError(errno.ENOSPC, f"checkpoint not saved: the disk is full ({folder})") from err
         raise
 
 
@@ -375,6 +373,12 @@ def to_bytes(state):
     buffer = io.BytesIO()
     torch.save(state, buffer)
     return buffer.getbuffer()
+
+
+def current_umask():
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
 
 
 def nearest_folder(folder):
@@ -418,25 +422,26 @@ def find_resume(t):
 
 
 def load_checkpoint(t, path):
-    """Continue after the checkpoint's epoch. With the settings it was saved with, exactly as if never
+    """Continue after the checkpoint's epoch: with the settings it was saved with, exactly as if never
     stopped. With another length, batch size or world size, this run's schedule is moved on to the
-    step this run would be at, and a line says so (the momentum still comes from the checkpoint).
+    step this run would be at, and a line says so (weights and momentum come from the checkpoint).
     map_location: tensors saved from cuda:0 would otherwise all land on cuda:0."""
     state = torch.load(path, map_location=t.device, weights_only=True)
     t.module.load_state_dict(state["model"])
     t.start_epoch = state["epoch"] + 1
     t.step = min(t.start_epoch * len(t.train_loader), t.total_steps)
-    saved, total = state["optimizer"], state.get("total_steps", state["schedule"].get("total_steps"))
+    saved = state["optimizer"]
+    total = state.get("total_steps", state["schedule"].get("total_steps"))
     if (state["step"], total, settings_of(saved["param_groups"])) == (
             t.step, t.total_steps, settings_of(t.optimizer.param_groups)):
         t.optimizer.load_state_dict(saved)
         t.schedule.load_state_dict(state["schedule"])
         return
-    mine = t.optimizer.state_dict()["param_groups"]  # this run's learning rates, the saved momentum
+    mine = t.optimizer.state_dict()["param_groups"]  # this run's settings, the saved momentum
     t.optimizer.load_state_dict({"state": saved["state"], "param_groups": [
         dict(group, params=old["params"]) for group, old in zip(mine, saved["param_groups"])]})
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "lr_scheduler.step() before optimizer.step()": meant
+        warnings.simplefilter("ignore", UserWarning)  # "scheduler.step() before optimizer.step()"
         for _ in range(t.step):
             t.schedule.step()
     if t.rank == 0:

@@ -716,7 +716,7 @@ def test_a_read_only_folder_is_refused_up_front_and_a_full_disk_is_named(tmp_pat
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout.splitlines()[-1])
     assert re.fullmatch(r"checkpoint='.*ro/ck-\{epoch\}\.pt': cannot write in .*/ro \(.*\)", out["read_only"]), out
-    assert out["full"].startswith("OSError: checkpoint not saved: the disk is full"), out
+    assert out["full"].startswith("OSError: [Errno 28] checkpoint not saved: the disk is full"), out
     assert out["left"] == [], out   # no temporary file left behind
 
 
