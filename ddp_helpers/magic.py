@@ -23,6 +23,11 @@ their variables from cell to cell:
     %ddp push lr model          # copy notebook variables to every rank
     %ddp pull loss              # each rank's value of a variable
     %ddp stop                   # end the ranks
+
+A mistake in the options or commands (`-n 0`, an unknown backend or command, a name
+that is not defined) raises IPython's `UsageError`, one line, before any rank starts.
+The pool's notices (new ranks started, ranks stopped) are printed on stdout, before
+the cell's output; errors alone go to stderr.
 """
 import argparse
 
