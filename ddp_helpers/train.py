@@ -96,7 +96,8 @@ def make_config(**settings):
 
 # ------------------------------------------------------------------ 1. setup
 def setup(cfg):
-    """Join the process group and pick this rank's device. Returns (device, whether we made the group).
+    """Join the process group and pick this rank's device. Returns (device, whether we made the
+    group).
 
     Under `launch` the group already exists; under torchrun the environment says where to meet
     (env://); in a plain process we make a world of one, so the same code runs everywhere.
@@ -106,14 +107,17 @@ def setup(cfg):
     made = not dist.is_initialized()
     if made:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        gpu = cfg.device != "cpu" and torch.cuda.is_available() and torch.cuda.device_count() >= local_world
+        gpu = (cfg.device != "cpu" and torch.cuda.is_available()
+               and torch.cuda.device_count() >= local_world)
         if gpu:
             torch.cuda.set_device(local_rank)  # before init: NCCL binds this rank to its own GPU
         if "RANK" in os.environ:
-            dist.init_process_group("nccl" if gpu else "gloo", device_id=torch.device("cuda", local_rank) if gpu else None)
+            dist.init_process_group("nccl" if gpu else "gloo",
+                                    device_id=torch.device("cuda", local_rank) if gpu else None)
         else:  # no peers: an in-memory store, and Gloo listens on loopback only
             os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
-            dist.init_process_group("nccl" if gpu else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group("nccl" if gpu else "gloo", store=dist.HashStore(), rank=0,
+                                    world_size=1)
     if cfg.device == "cuda" or (cfg.device == "auto" and dist.get_backend() == "nccl"):
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank), made
@@ -130,7 +134,7 @@ class Plain:
     """How this trainer builds a run. A speed layer subclasses it and replaces methods."""
 
     def build_model(self, cfg, device):
-        torch.manual_seed(cfg.seed)  # the same initial weights on every rank (DDP broadcasts rank 0's anyway)
+        torch.manual_seed(cfg.seed)  # the same initial weights on all ranks (DDP sends rank 0's)
         return models.build_model(cfg.model, cfg.width).to(device)
 
     def wrap(self, model, device):
@@ -142,8 +146,8 @@ class Plain:
         batches of uint8 images and their labels (`prepare` readies them on the device)."""
         train_set = data.Images(data.load_cifar10(True, cfg.data, cfg.per_class))
         test_set = data.Images(data.load_cifar10(False, cfg.data, cfg.test_per_class))
-        # DistributedSampler: rank r takes every world_size-th index of one shuffled order, the same on
-        # all ranks; drop_last: every rank takes the same number of steps (DDP's all-reduces pair up).
+        # DistributedSampler: rank r takes every world_size-th index of one shuffled order, the same
+        # on all ranks; drop_last: every rank takes the same number of steps (all-reduces pair up).
         sampler = DistributedSampler(train_set, shuffle=True, seed=cfg.seed)
         workers = {}
         if device.type == "cuda":  # processes gather the next batches while the GPU computes
@@ -152,8 +156,8 @@ class Plain:
                            persistent_workers=True)  # workers stay up from epoch to epoch
         train_loader = DataLoader(train_set, cfg.batch_size, sampler=sampler, drop_last=True,
                                   **workers)
-        # Test: rank r scores images r, r + W, r + 2W, ...: each image exactly once (DistributedSampler
-        # would pad with repeats, which would be counted twice).
+        # Test: rank r scores images r, r + W, r + 2W, ...: each image exactly once
+        # (DistributedSampler would pad with repeats, which would be counted twice).
         mine = Subset(test_set, range(dist.get_rank(), len(test_set), dist.get_world_size()))
         return train_loader, DataLoader(mine, 1000)
 
@@ -170,7 +174,8 @@ class Plain:
         return data.normalize(images), labels
 
     def optimizer(self, model, cfg, total_steps):
-        """SGD with Nesterov momentum; the learning rate rises for a quarter of the steps, then falls."""
+        """SGD with Nesterov momentum; the learning rate rises for a quarter of the steps, then
+        falls."""
         optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9, nesterov=True,
                                     weight_decay=5e-4)
         schedule = torch.optim.lr_scheduler.OneCycleLR(
@@ -181,7 +186,7 @@ class Plain:
     def forward_backward(self, model, images, labels):
         """The loss of one batch; its gradients, averaged over ranks by DDP, land in .grad."""
         model.zero_grad(set_to_none=True)  # else backward adds to the last step's gradients
-        with torch.autocast(images.device.type, torch.bfloat16, enabled=images.is_cuda):  # bf16 on GPUs
+        with torch.autocast(images.device.type, torch.bfloat16, enabled=images.is_cuda):
             loss = F.cross_entropy(model(images), labels, label_smoothing=0.1)
         loss.backward()  # DDP all-reduces the gradients here, bucket by bucket, during backward
         return loss.detach()
@@ -281,7 +286,7 @@ def train(t):
 def train_one_epoch(t, epoch):
     """One pass over this rank's share of the training set; returns the seconds it took."""
     t.model.train()
-    t.train_loader.sampler.set_epoch(epoch)  # a new shuffle each epoch (else every epoch repeats the first)
+    t.train_loader.sampler.set_epoch(epoch)  # a new shuffle each epoch (else all repeat the first)
     # Crops and flips: each rank its own, from (seed, epoch, rank): a resumed run draws the same.
     randomness = torch.Generator(t.device).manual_seed(t.cfg.seed * 1000 + epoch * 10 + t.rank)
     losses, lrs = [], []
@@ -289,7 +294,7 @@ def train_one_epoch(t, epoch):
     for i, (images, labels) in enumerate(t.train_loader, start=1):
         images, labels = t.recipe.prepare(images, labels, t.device, randomness)
         lrs.append(t.schedule.get_last_lr()[0])
-        losses.append(t.recipe.forward_backward(t.model, images, labels))  # stays on the device: no wait
+        losses.append(t.recipe.forward_backward(t.model, images, labels))  # on the device: no wait
         t.optimizer.step()
         t.schedule.step()
         t.step += 1
@@ -306,21 +311,25 @@ def train_one_epoch(t, epoch):
 
 
 def log_steps(t, epoch, losses, lrs, window_start):
-    """Every rank's loss for the last steps, in one all_gather (its copy to the CPU waits for the GPU)."""
+    """Every rank's loss for the last steps, in one all_gather (its copy to the CPU waits for the
+    GPU)."""
     peak = torch.cuda.max_memory_allocated(t.device) / 1e9 if t.device.type == "cuda" else 0.0
     mine = torch.cat([torch.stack(losses).float(), torch.tensor([peak], device=t.device)])
     everyone = [torch.empty_like(mine) for _ in range(t.world_size)]
     dist.all_gather(everyone, mine)
     table = torch.stack(everyone).cpu()  # (ranks, steps + 1): losses, then peak memory
-    t.log.steps(t, epoch, table, lrs, len(lrs) * t.cfg.batch_size * t.world_size / (time.perf_counter() - window_start))
+    images_per_s = len(lrs) * t.cfg.batch_size * t.world_size / (time.perf_counter() - window_start)
+    t.log.steps(t, epoch, table, lrs, images_per_s)
 
 
 @torch.no_grad()
 def evaluate(t):
-    """Each rank scores its share of the test set; one all_reduce sums (loss, correct, count) over ranks."""
+    """Each rank scores its share of the test set; one all_reduce sums (loss, correct, count) over
+    ranks."""
     t.module.eval()
-    for buffer in t.module.buffers():  # BatchNorm's running statistics: each rank updated its own in training;
-        dist.broadcast(buffer, src=0)  # evaluate rank 0's everywhere, the model that rank 0 saves
+    # BatchNorm's running statistics: each rank updated its own in training; evaluate rank 0's
+    for buffer in t.module.buffers():  # everywhere, the model that rank 0 saves
+        dist.broadcast(buffer, src=0)
     totals = torch.zeros(3, device=t.device)
     for images, labels in t.test_loader:
         images, labels = t.recipe.prepare(images, labels, t.device)
@@ -335,8 +344,8 @@ def evaluate(t):
 
 # ----------------------------------------------------------- 7. checkpoints
 def save_checkpoint(t, path, epoch):
-    """Rank 0 writes the training state while the others wait: the first barrier makes sure every rank
-    finished the epoch, the second that nobody goes on before the file exists."""
+    """Rank 0 writes the training state while the others wait: the first barrier makes sure every
+    rank finished the epoch, the second that nobody goes on before the file exists."""
     barrier(t.device)
     if t.rank == 0:
         state = {"model": t.module.state_dict(), "optimizer": t.optimizer.state_dict(),
@@ -347,38 +356,31 @@ def save_checkpoint(t, path, epoch):
 
 
 def write_privately(state, path):
-    """torch.save to a temporary file of our own in the same folder, then rename it (atomic): a reader
-    sees the old file or the new one, never half of one, and two writers never share a temporary
-    file. Only the owner may read it (0600, new folders 0700) unless the learner chose a shared
-    folder: one with the setgid bit (`chmod g+s`, as a group's folder is set up); there the umask
-    decides, as for any file."""
+    """torch.save to a temporary file of our own in the same folder, then rename it (atomic): a
+    reader sees the old file or the new one, never half of one, and two writers never share a
+    temporary file. Only the owner may read it (0600, a new folder 0700) unless the learner chose
+    a shared folder: one with the setgid bit (`chmod g+s`, as a group's folder is set up); there
+    the umask decides, as for any file."""
     folder = os.path.dirname(os.path.abspath(path))
     shared = nearest_folder(folder).stat().st_mode & stat.S_ISGID
-    make_folders(folder, 0o777 if shared else 0o700)
+    os.makedirs(folder, mode=0o777 if shared else 0o700, exist_ok=True)
     handle, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=folder)  # 0600
     try:
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
         with os.fdopen(handle, "wb") as f:
-            f.write(to_bytes(state))  # a full disk raises ENOSPC here (inside torch.save it would not)
+            f.write(buffer.getbuffer())  # a full disk raises ENOSPC here (torch.save hides it)
         if shared:
-            os.chmod(temporary, 0o666 & ~current_umask())
+            umask = os.umask(0o022)
+            os.umask(umask)
+            os.chmod(temporary, 0o666 & ~umask)
         os.replace(temporary, path)
     except BaseException as err:
         os.unlink(temporary)  # nothing left behind
         if getattr(err, "errno", None) == errno.ENOSPC:
-            raise OSError(errno.ENOSPC, f"checkpoint not saved: the disk is full ({folder})") from err
+            message = f"checkpoint not saved: the disk is full ({folder})"
+            raise OSError(errno.ENOSPC, message) from err
         raise
-
-
-def to_bytes(state):
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    return buffer.getbuffer()
-
-
-def current_umask():
-    umask = os.umask(0)
-    os.umask(umask)
-    return umask
 
 
 def nearest_folder(folder):
@@ -387,16 +389,6 @@ def nearest_folder(folder):
     while not folder.exists():
         folder = folder.parent
     return folder
-
-
-def make_folders(folder, mode):
-    """os.makedirs with `mode` for every folder it makes (makedirs gives it to the last one only)."""
-    if not os.path.isdir(folder):
-        make_folders(os.path.dirname(folder), mode)
-        try:
-            os.mkdir(folder, mode)
-        except FileExistsError:  # another writer made it meanwhile
-            pass
 
 
 def newest_checkpoint(pattern):
@@ -422,9 +414,10 @@ def find_resume(t):
 
 
 def load_checkpoint(t, path):
-    """Continue after the checkpoint's epoch: with the settings it was saved with, exactly as if never
-    stopped. With another length, batch size or world size, this run's schedule is moved on to the
-    step this run would be at, and a line says so (weights and momentum come from the checkpoint).
+    """Continue after the checkpoint's epoch: with the settings it was saved with, exactly as if
+    never stopped. With another length, batch size or world size, this run's schedule is moved on
+    to the step this run would be at, and a line says so (weights and momentum come from the
+    checkpoint).
     map_location: tensors saved from cuda:0 would otherwise all land on cuda:0."""
     state = torch.load(path, map_location=t.device, weights_only=True)
     t.module.load_state_dict(state["model"])
@@ -469,7 +462,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    record = run(**dataclasses.asdict(parse_args(argv)))   # 9: run() destroys the process group it made
+    record = run(**dataclasses.asdict(parse_args(argv)))  # 9: run() destroys the group it made
     return 0 if math.isfinite(record["test_loss"]) else 1
 
 
