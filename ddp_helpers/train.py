@@ -71,6 +71,9 @@ def checks(c):
             (c.resume in (None, "auto") or os.path.isfile(c.resume), f"no checkpoint at resume={c.resume!r}"),
             (c.resume != "auto" or c.checkpoint, "resume='auto' looks for the files checkpoint names: set it"),
             (c.data is None or os.path.isdir(c.data), f"data folder {c.data!r} does not exist"),
+            (not c.per_class or c.batch_size <= 10 * c.per_class,  # a schedule of no steps
+             f"batch_size={c.batch_size} is more than the training set (per_class={c.per_class}: "
+             f"{10 * (c.per_class or 0)} images): no step"),
             *checkpoint_checks(c.checkpoint)]
 
 

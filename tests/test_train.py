@@ -148,8 +148,8 @@ def test_per_class_test_per_class_epochs_and_batch_size_set_the_counts():
     assert spy.test_batches == [30, 30]                                        # after epoch 1, and at the end
     labels = spy.train_loader.dataset.split.labels
     assert torch.equal(labels.bincount(), torch.full((10,), 6))               # 6 of each class
-    with pytest.raises(ValueError, match="batch_size=64 on each of 1 ranks is more than the training set"):
-        train.run(**dict(SMALL, batch_size=64), epochs=1)
+    with pytest.raises(WorkerError, match="batch_size=30 on each of 2 ranks is more than the training set"):
+        launch(train.run, 2, "gloo", kwargs=dict(SMALL, batch_size=30, epochs=1), quiet=True)   # 60 > 50
 
 
 def lrs(record):
@@ -529,11 +529,13 @@ BAD_SETTINGS = [  # (settings, error, a regular expression for its message)
     (dict(resume="/nonexistent/ckpt.pt"), ValueError, r"no checkpoint at resume='/nonexistent/ckpt.pt'"),
     (dict(resume="auto"), ValueError, r"resume='auto' looks for the files checkpoint names"),
     (dict(data="/nonexistent/cifar"), ValueError, r"data folder '/nonexistent/cifar' does not exist"),
+    (dict(per_class=5, batch_size=64), ValueError,   # a schedule of no steps; it failed in the ranks
+     r"batch_size=64 is more than the training set \(per_class=5: 50 images\): no step"),
 ]
 
 
 @pytest.mark.parametrize("settings, error, message", BAD_SETTINGS,
-                         ids=[f"{k}={v}" for s, _, _ in BAD_SETTINGS for k, v in s.items()])
+                         ids=[",".join(f"{k}={v}" for k, v in s.items()) for s, _, _ in BAD_SETTINGS])
 def test_bad_settings_are_clear_errors_before_any_process_starts(monkeypatch, settings, error, message):
     def no_launch(*args, **kwargs):
         raise AssertionError("a process was started")
