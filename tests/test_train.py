@@ -568,7 +568,7 @@ def test_cli_help_and_bad_arguments(capsys):
         with pytest.raises(SystemExit) as done:
             train.parse_args(argv)
         assert done.value.code == 2 and message in capsys.readouterr().err
-    cfg = train.parse_args(["--per-class", "20", "--no-verbose", "--live", "--lr", "0.1"])
+    cfg = train.parse_args(["--per-class", "20", "--batch-size", "20", "--no-verbose", "--live", "--lr", "0.1"])
     assert (cfg.per_class, cfg.verbose, cfg.live, cfg.lr, cfg.epochs) == (20, False, True, 0.1, 10)
 
 
