@@ -86,6 +86,9 @@ def checkpoint_checks(template):
     except (KeyError, IndexError, ValueError, TypeError, AttributeError):
         return [(False, f"checkpoint={template!r}: the name may hold {{epoch}} (the epoch's number), "
                         "nothing else")]
+    if os.path.isdir(path):
+        return [(False, f"checkpoint={template!r} is a folder: name a file in it, "
+                        f"e.g. {os.path.join(template, 'epoch-{epoch}.pt')}")]
     folder = nearest_folder(os.path.dirname(path))
     why = ("not a folder" if not os.path.isdir(folder) else
            "no permission, or a read-only file system" if not os.access(folder, os.W_OK | os.X_OK) else None)

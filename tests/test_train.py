@@ -521,6 +521,8 @@ BAD_SETTINGS = [  # (settings, error, a regular expression for its message)
      r"checkpoint='ck/\{step\}.pt': the name may hold \{epoch\} \(the epoch's number\), nothing else"),
     (dict(checkpoint="ck/{}.pt"), ValueError, r"checkpoint='ck/\{\}.pt': the name may hold \{epoch\}"),
     (dict(checkpoint="ck/{epoch.pt"), ValueError, r"checkpoint='ck/\{epoch.pt': the name may hold \{epoch\}"),
+    (dict(checkpoint=os.path.dirname(__file__)), ValueError,              # a folder where a file should be
+     re.escape(f"checkpoint={os.path.dirname(__file__)!r} is a folder: name a file in it, e.g. ")),
     (dict(checkpoint=__file__ + "/ck.pt"), ValueError,                  # a file where a folder should be
      re.escape(f"checkpoint='{__file__}/ck.pt': cannot write in {__file__} (not a folder)")),
     (dict(eval_every=-1), ValueError, r"eval_every .*>= 0"),
