@@ -692,6 +692,26 @@ _COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_i
                 "all_gather_object", "broadcast_object_list", "gather_object", "send", "recv", "isend", "irecv")
 
 
+_STILL_A_STUB = "the learner's stub still raises NotImplementedError"
+
+
+def _launch_case(in_rank, world_size, args, label, timeout, never_finished, partner_left):
+    """One case of a checker: `in_rank(*args)` on `world_size` Gloo ranks. Returns (results, None,
+    False); or (None, what went wrong, stuck): ranks that never finished (stuck: `never_finished`
+    says why), a rank that failed (with `partner_left` when Gloo says its peer went away), or
+    _STILL_A_STUB."""
+    try:
+        return launch(in_rank, world_size, args=args, timeout=timeout, quiet=True), None, False
+    except WorkerTimeout as err:
+        return None, f"{label}: rank(s) {err.unfinished_ranks} never finished: {never_finished}", True
+    except WorkerError as err:
+        if err.exc_type == "NotImplementedError":
+            return None, _STILL_A_STUB, False
+        first_line = str(err).splitlines()[0].split(". This is typically")[0][:300]
+        hint = partner_left if "gloo" in first_line.lower() or "closed" in first_line.lower() else ""
+        return None, f"{label}: rank {err.rank} failed: {first_line}{hint}", False
+
+
 def _mean_loss_in_rank(fn):
     """Inside a rank: fn(loss) with this rank's loss, every collective wrapped to note its name
     (outermost calls only). Returns (fn's result, the names in call order, what fn printed)."""
@@ -738,21 +758,19 @@ def check_mean_loss(fn):
     for world_size in (2, 3):
         label = f"world_size={world_size}"
         want = sum(1.0 + r for r in range(world_size)) / world_size
-        try:
-            results = launch(_mean_loss_in_rank, world_size, args=(fn,), timeout=10, quiet=True)
-        except WorkerTimeout as err:
-            problems.append(f"{label}: rank(s) {err.unfinished_ranks} never finished: they wait in a collective "
-                            f"that another rank never calls. Is a collective inside `if dist.get_rank() == 0`? "
-                            f"Every rank must call every collective; only the print belongs in the if")
-            break
-        except WorkerError as err:
-            if err.exc_type == "NotImplementedError":
-                return Verdict(title, [f"{fn.__name__} still raises NotImplementedError: fill in the stub"])
-            first_line = str(err).splitlines()[0].split(". This is typically")[0][:300]
-            hint = (": its partner had left without joining the collective. Is a collective inside "
-                    "`if dist.get_rank() == 0`? Every rank must call every collective"
-                    if "gloo" in first_line.lower() or "closed" in first_line.lower() else "")
-            problems.append(f"{label}: rank {err.rank} failed: {first_line}{hint}")
+        results, problem, stuck = _launch_case(
+            _mean_loss_in_rank, world_size, (fn,), label, timeout=10,
+            never_finished="they wait in a collective that another rank never calls. Is a collective inside "
+                           "`if dist.get_rank() == 0`? Every rank must call every collective; only the print "
+                           "belongs in the if",
+            partner_left=": its partner had left without joining the collective. Is a collective inside "
+                         "`if dist.get_rank() == 0`? Every rank must call every collective")
+        if problem is _STILL_A_STUB:
+            return Verdict(title, [f"{fn.__name__} still raises NotImplementedError: fill in the stub"])
+        if problem:
+            problems.append(problem)
+            if stuck:
+                break
             continue
         sequences = [calls for _, calls, _ in results]
         if any(seq != sequences[0] for seq in sequences):
@@ -1101,21 +1119,18 @@ def check_all_reduce_timing(fn, predicted_us, nbytes=3 * 2**20, iters=20, warmup
     problems, notes, measured_us = [], [], None
     for world_size in (2, 3):
         label = f"world_size={world_size}"
-        try:
-            runs = launch(_timing_in_rank, world_size, backend="gloo", args=(fn, nbytes, iters, warmup),
-                          timeout=30, quiet=True)
-        except WorkerTimeout as err:
-            problems.append(f"{label}: rank(s) {err.unfinished_ranks} never finished: they wait in a collective "
-                            f"another rank never calls. Every rank must make the same calls: the warm-up, the "
-                            f"barrier, the timed all_reduces and the all_reduce of the time")
-            break
-        except WorkerError as err:
-            if err.exc_type == "NotImplementedError":
-                return Verdict(title, [f"{fn.__name__} still raises NotImplementedError: fill in the stub"])
-            first_line = str(err).splitlines()[0].split(". This is typically")[0][:300]
-            hint = (": its partner had left. Does every rank make the same calls, the same number of times?"
-                    if "gloo" in first_line.lower() or "closed" in first_line.lower() else "")
-            problems.append(f"{label}: rank {err.rank} failed: {first_line}{hint}")
+        runs, problem, stuck = _launch_case(
+            _timing_in_rank, world_size, (fn, nbytes, iters, warmup), label, timeout=30,
+            never_finished="they wait in a collective another rank never calls. Every rank must make the "
+                           "same calls: the warm-up, the barrier, the timed all_reduces and the all_reduce "
+                           "of the time",
+            partner_left=": its partner had left. Does every rank make the same calls, the same number of times?")
+        if problem is _STILL_A_STUB:
+            return Verdict(title, [f"{fn.__name__} still raises NotImplementedError: fill in the stub"])
+        if problem:
+            problems.append(problem)
+            if stuck:
+                break
             continue
         checked = []
         for rank, (result, events) in enumerate(runs):
