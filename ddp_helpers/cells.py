@@ -4,7 +4,9 @@
   `dumps_with_sources` also returns the source of each notebook cell the pickled code comes
   from (only those: not the whole notebook's).
 - `globals_to_send`: which notebook variables a `%%ddp` cell needs (sent along with it).
-- `PerRank`: one value per rank, shown as `[rank N] value` lines.
+- `PerRank`: one value per rank, shown as `[rank N] value` lines; `PerRank.of` makes one from
+  what the ranks sent, and a value with a richer view (an image, HTML, a figure: `rank_io.Shown`)
+  is displayed as such, after a `[rank N]` line.
 
 The worker side (executing a cell) is `worker.exec_cell`.
 """
@@ -18,6 +20,8 @@ import types
 
 import cloudpickle
 
+from .rank_io import Shown
+
 # Names the notebook kernel defines for itself; never sent to the workers.
 _KERNEL_NAMES = {"In", "Out", "get_ipython", "exit", "quit"}
 # Names every rank's namespace starts with; the notebook's own never replace them.
@@ -25,13 +29,46 @@ _RANK_NAMES = {"torch", "dist", "rank", "world_size"}
 
 
 class PerRank(list):
-    """One value per rank, shown as `[rank N] value` lines."""
+    """One value per rank, shown as `[rank N] value` lines. `ranks`: the rank of each value (all of
+    them in order, unless the cell ran on some ranks only: `%%ddp --ranks`)."""
+
+    def __init__(self, values=(), ranks=None):
+        super().__init__(values)
+        self.ranks = list(range(len(self))) if ranks is None else list(ranks)
+
+    @classmethod
+    def of(cls, values, ranks=None):
+        """What a %%ddp cell returns for the ranks' last values: None when every one is None."""
+        if all(v is None for v in values):
+            return None
+        bundles = {i: (v.data, v.metadata) for i, v in enumerate(values) if isinstance(v, Shown)}
+        values = [v.value if isinstance(v, Shown) else v for v in values]
+        if not bundles:
+            return cls(values, ranks)
+        rich = _RichPerRank(values, ranks)
+        rich.bundles = bundles
+        return rich
 
     def __repr__(self):
-        return "\n".join(f"[rank {r}] {_indent(repr(v))}" for r, v in enumerate(self))
+        return "\n".join(f"[rank {r}] {_indent(repr(v))}" for r, v in zip(self.ranks, self))
 
     def _repr_pretty_(self, printer, cycle):
         printer.text(repr(self))
+
+
+class _RichPerRank(PerRank):
+    """PerRank whose values include some with a rich view: each is displayed after `[rank N]`."""
+    bundles = {}   # position -> (data, metadata)
+
+    def _ipython_display_(self):
+        from IPython.display import display
+        for i, (rank, value) in enumerate(zip(self.ranks, self)):
+            if i in self.bundles:
+                print(f"[rank {rank}]", flush=True)
+                data, metadata = self.bundles[i]
+                display(data, metadata=metadata, raw=True)
+            else:
+                print(f"[rank {rank}] {_indent(repr(value))}", flush=True)
 
 
 def _indent(text):

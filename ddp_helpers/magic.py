@@ -24,18 +24,35 @@ their variables from cell to cell:
     %ddp pull loss              # each rank's value of a variable
     %ddp stop                   # end the ranks
 
+On a warm pool, `%%ddp --ranks 0,2` (or `-r 0,2`) runs a cell on those ranks only, the others
+stay idle and keep their variables: for cells that do not communicate (look at one rank's
+variables, plot on rank 0). A collective, or a send/recv to a rank outside the list, would wait
+for ranks that never join: it is refused in the rank that calls it, at once, with an error that
+says so (run such a cell with plain `%%ddp`, on every rank); the pool stays up.
+
+Rich output: a matplotlib figure (`plt.show()`, or left open at the end of the cell), `display(obj)`
+and a last value with a richer view than text (an image, HTML, a DataFrame) appear in the cell as
+they would in the notebook, each after a `[rank N]` line. Plain values stay `[rank N] value` lines.
+A rank has no stdin: `input()` raises `rank_io.NoStdin` (an EOFError); pass values in instead.
+
+`%%ddp --tabs` shows each rank's printed output on a page of its own (an ipywidgets Tab) instead
+of the `[rank N] ...` lines of all ranks together.
+
 A mistake in the options or commands (`-n 0`, an unknown backend or command, a name
 that is not defined) raises IPython's `UsageError`, one line, before any rank starts.
 The pool's notices (new ranks started, ranks stopped) are printed on stdout, before
 the cell's output; errors alone go to stderr.
 """
 import argparse
+import contextlib
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from .cells import PerRank, globals_to_send
+from .rank_views import TabSink
+from .supervisor import output_sink
 from .launcher import WorkerError, check_timeout, check_world_size, launch, resolve_backend
 from .pool import Pool
 from .worker import run_cell
@@ -52,6 +69,17 @@ def _positive_int(text):
     if value < 1:
         raise argparse.ArgumentTypeError(f"the number of ranks must be at least 1, got {value}")
     return value
+
+
+def _rank_list(text):
+    """-r/--ranks: ranks separated by commas, e.g. 0,2 (checked against the pool later)."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts:
+        raise argparse.ArgumentTypeError(f"no ranks given in {text!r}: -r 0,1 runs the cell on ranks 0 and 1")
+    for part in parts:
+        if not part.lstrip("-").isdigit():
+            raise argparse.ArgumentTypeError(f"ranks are whole numbers separated by commas, got {part!r}")
+    return [int(p) for p in parts]
 
 
 def _checked(opts):
@@ -81,10 +109,13 @@ class DDPMagics(Magics):
     @argument("-b", "--backend", default=None, help="gloo, nccl or auto (default gloo)")
     @argument("-t", "--timeout", type=float, default=120, help="%%%%ddp: seconds before the ranks are stopped")
     @argument("-o", "--out", default=None, help="%%%%ddp: also keep the per-rank values in this variable")
+    @argument("-r", "--ranks", type=_rank_list, default=None,
+              help="%%%%ddp on a warm pool: run the cell on these ranks only, e.g. 0,2 (no collectives)")
+    @argument("--tabs", action="store_true", help="%%%%ddp: each rank's output on a tab of its own")
     @argument("command", nargs="*",
               help="%%ddp only: start, stop, status, push NAME [NAME ...] or pull NAME")
     def ddp(self, line, cell=None):
-        """%%ddp [-n N] [-b BACKEND] [-t SECONDS] [-o NAME]: run this cell on every rank.
+        """%%ddp [-n N] [-b BACKEND] [-t SECONDS] [-o NAME] [-r RANKS] [--tabs]: run this cell on every rank.
         %ddp start|stop|status|push NAMES|pull NAME: manage a warm pool of ranks."""
         opts = _checked(parse_argstring(self.ddp, line))
         if cell is None:
@@ -92,19 +123,30 @@ class DDPMagics(Magics):
         if opts.command:
             raise UsageError(f"%%ddp takes options only, got {' '.join(opts.command)!r}: "
                              "start, stop, status, push and pull go with %ddp (one %)")
-        DDPMagics._cells_run += 1
-        filename = f"<ddp-cell-{DDPMagics._cells_run}>"
         pool = DDPMagics.pool
         if pool is not None:
             if opts.nprocs not in (None, pool.world_size) or opts.backend not in (None, pool.backend):
                 raise UsageError(f"a pool of {pool.world_size} {pool.backend} ranks is running: "
                                  "drop -n/-b, or `%ddp stop` it first")
-            values = pool.run_cell(cell, self.shell.user_ns, filename, timeout=opts.timeout)
+            try:
+                ranks = pool.check_ranks(opts.ranks)
+            except ValueError as exc:
+                raise UsageError(f"-r/--ranks: {exc}") from None
+        elif opts.ranks is not None:
+            raise UsageError("-r/--ranks runs a cell on some ranks of a warm pool, and no pool is running: "
+                             "`%ddp start -n 4` starts one")
         else:
-            sent = globals_to_send(cell, self.shell.user_ns)
-            values = launch(run_cell, world_size=opts.nprocs or 2, backend=opts.backend or "gloo",
-                            args=(cell, sent, filename), timeout=opts.timeout)
-            values = None if all(v is None for v in values) else PerRank(values)
+            ranks = list(range(opts.nprocs or 2))
+        DDPMagics._cells_run += 1
+        filename = f"<ddp-cell-{DDPMagics._cells_run}>"
+        with output_sink(TabSink(ranks)) if opts.tabs else contextlib.nullcontext():
+            if pool is not None:
+                values = pool.run_cell(cell, self.shell.user_ns, filename, timeout=opts.timeout,
+                                       ranks=opts.ranks)
+            else:
+                sent = globals_to_send(cell, self.shell.user_ns)
+                values = PerRank.of(launch(run_cell, world_size=len(ranks), backend=opts.backend or "gloo",
+                                           args=(cell, sent, filename), timeout=opts.timeout))
         if opts.out:
             self.shell.user_ns[opts.out] = values
         return values

@@ -55,12 +55,36 @@ class Pool:
         atexit.register(self.stop)
 
     # ------------------------------------------------------------ public API
-    def run_cell(self, source, user_ns=None, filename="<ddp-cell>", timeout=120):
-        """Run `source` on every rank, in that rank's namespace; return each rank's
-        value of the last expression (None when the cell ends in a statement)."""
+    def run_cell(self, source, user_ns=None, filename="<ddp-cell>", timeout=120, ranks=None):
+        """Run `source` on every rank (or on `ranks` only), in that rank's namespace; return each
+        rank's value of the last expression (None when the cell ends in a statement everywhere).
+
+        On some ranks only, a collective (or a send/recv) that needs another rank raises
+        `rank_io.CollectiveOutsideRanks` in the rank that calls it, before it starts: those ranks
+        would never join. The pool stays as it was."""
+        ranks = self.check_ranks(ranks)
         sent = globals_to_send(source, user_ns or {})
-        values = self._request(("exec", source, sent, filename), timeout)
-        return None if all(v is None for v in values) else PerRank(values)
+        only = None if ranks == list(range(self.world_size)) else ranks
+        values = self._request(("exec", source, sent, filename, only), timeout, ranks)
+        return PerRank.of(values, ranks)
+
+    def check_ranks(self, ranks):
+        """`ranks` as a list (None: every rank); a ValueError for an empty list, a repeated rank or
+        one that is not in this pool."""
+        if ranks is None:
+            return list(range(self.world_size))
+        ranks = list(ranks)
+        if not ranks:
+            raise ValueError("no ranks given")
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"rank {next(r for r in ranks if ranks.count(r) > 1)} is given twice: {ranks}")
+        bad = [r for r in ranks if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < self.world_size]
+        if bad:
+            raise ValueError(f"rank {bad[0]!r} is not in this pool of {self.world_size} ranks "
+                             f"(0 to {self.world_size - 1})" if self.world_size > 2 else
+                             f"rank {bad[0]!r} is not in this pool of {self.world_size} ranks "
+                             f"({' or '.join(map(str, range(self.world_size)))})")
+        return ranks
 
     def run(self, fn, *args, timeout=120, **kwargs):
         """Call `fn(*args, **kwargs)` on every rank; return the results by rank."""
@@ -128,7 +152,7 @@ class Pool:
         self.run_dir, self.port = ranks.run_dir, ranks.port
         self._collect(self.start_timeout, what="start")  # each rank says ready once its group is formed
 
-    def _request(self, request, timeout):
+    def _request(self, request, timeout, ranks=None):
         if self._stopped:
             raise RuntimeError("this pool was stopped; start a new one (%ddp start)")
         timeout = check_timeout(timeout)
@@ -137,12 +161,13 @@ class Pool:
         if self._ranks is None:
             self._start()
             _notice(f"started {self.world_size} new ranks ({self.backend}); their variables are empty.")
-        for conn in self._conns:
+        ranks = list(range(self.world_size)) if ranks is None else ranks
+        for r in ranks:
             try:
-                conn.send_bytes(message)
+                self._conns[r].send_bytes(message)
             except OSError:
                 break   # a rank died just now: _collect reports it
-        return self._collect(timeout, what="cell")
+        return self._collect(timeout, what="cell", ranks=ranks)
 
     def _replace_dead_ranks(self):
         """A rank that died while idle (killed, out of memory): say so, and drop the pool."""
@@ -155,8 +180,10 @@ class Pool:
             self._discard()
             _notice(f"{how} while idle (logs: {self.run_dir}); the ranks were stopped.")
 
-    def _collect(self, timeout, what):
-        """Wait for one reply per rank, printing output meanwhile; raise on any failure."""
+    def _collect(self, timeout, what, ranks=None):
+        """Wait for one reply per rank (of `ranks`: all by default), printing output meanwhile;
+        raise on any failure."""
+        ranks = list(range(self.world_size)) if ranks is None else ranks
         replies, errors_at = {}, []
 
         def take(rank, message):
@@ -166,16 +193,16 @@ class Pool:
                 return time.monotonic() + STUCK_AFTER_ERROR_S
             return None
 
-        ranks = self._ranks
+        supervisor = self._ranks
         try:
-            outcome, detail = ranks.wait(time.monotonic() + timeout, replies=dict(enumerate(self._conns)),
-                                         on_reply=take)
+            outcome, detail = supervisor.wait(time.monotonic() + timeout, on_reply=take,
+                                              replies={r: self._conns[r] for r in ranks})
         except KeyboardInterrupt:
             self._discard()
             raise interrupted(f"the ranks were stopped (a collective may have been cut half-way); {RESET}.") from None
         if outcome == "failed":
-            ranks.output.drain()
-            how = "; ".join(f"rank {r} {describe_exit(ranks.processes[r].exitcode)}" for r in detail)
+            supervisor.output.drain()
+            how = "; ".join(f"rank {r} {describe_exit(supervisor.processes[r].exitcode)}" for r in detail)
             self._discard()
             raise WorkerError(f"{how}. The pool was stopped and starts again on the next cell, "
                               f"with empty variables. Logs: {self.run_dir}", rank=detail[0], log_dir=self.run_dir)
@@ -183,7 +210,8 @@ class Pool:
             if errors_at:
                 self._give_up_stuck(replies, detail)
             self._give_up_timeout(detail, timeout)
-        ranks.output.drain()
+        supervisor.output.drain()
+        supervisor.output.end_lines()   # a prompt or an unfinished line belongs to this cell
         errors = sorted(r for r, reply in replies.items() if reply[0] == "error")
         if not all(reply[2] for reply in replies.values()):
             self._discard()
@@ -194,7 +222,7 @@ class Pool:
             first = errors[0]
             note = f"ranks {errors[1:]} raised too" if len(errors) > 1 else ""
             raise error_from_record(first, replies[first][1], self.run_dir, note)
-        return [cloudpickle.loads(replies[r][1]) for r in range(self.world_size)]
+        return [cloudpickle.loads(replies[r][1]) for r in ranks]
 
     def _give_up_timeout(self, unfinished, timeout):
         self._ranks.dump_stacks(unfinished)

@@ -3,8 +3,8 @@
 `serve(local_rank, job, connections)` is the target handed to
 `torch.multiprocessing.start_processes`. It sets the process up as `launch`'s workers are set up
 (`worker.setup_worker_process`: output pipes, environment, watchdog), forms the process group,
-says "ok" on its connection, and then answers the kernel's requests one at a time: run a cell,
-call a function, set or read a variable, stop.
+says "ok" on its connection, and then answers the kernel's requests one at a time: run a cell
+(on every rank, or on some: `rank_io.only_ranks`), call a function, set or read a variable, stop.
 
 Each answer is (kind, value, group_alive): kind "ok" with the pickled value, or "error" with
 `worker.describe_exception`'s record; group_alive is False once a cell destroyed the process group
@@ -18,6 +18,7 @@ import sys
 import cloudpickle
 import torch.distributed as dist
 
+from . import rank_io
 from .cells import dumps
 from .worker import (describe_exception, end_worker, exec_cell, init_process_group, rank_namespace,
                      setup_worker_process, to_cpu)
@@ -75,9 +76,12 @@ class _RankState:
     def handle(self, request):
         kind = request[0]
         if kind == "exec":
-            _, source, sent, filename = request
+            _, source, sent, filename, only = request
             self._take_from_kernel(sent)
-            return exec_cell(source, self.namespace, filename)
+            if only is None:
+                return exec_cell(source, self.namespace, filename)
+            with rank_io.only_ranks(only):   # %%ddp --ranks: no collective with the other ranks
+                return exec_cell(source, self.namespace, filename)
         if kind == "call":
             _, fn, args, kwargs = request
             return fn(*args, **kwargs)

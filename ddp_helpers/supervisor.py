@@ -19,6 +19,7 @@ Why it is built this way:
   per rank stays there.
 """
 import contextlib
+import json
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -34,6 +35,7 @@ import torch.distributed as dist
 import torch.multiprocessing
 
 from . import forkserver, machine
+from .rank_io import MARK
 from .run_dirs import new_run_dir, process_alive, release_run_dir
 from .worker import error_file, no_group_file, omp_threads, result_file, stderr_pipe, stdout_pipe
 
@@ -328,10 +330,15 @@ class OutputPump:
     descriptor has to travel through the forkserver. Lines wait for their end, so lines of
     different ranks never mix; what one read brings is printed in one write. A `\\r`
     (a progress bar redrawing its line) is passed on at once, the prefix after it.
+
+    A line that carries a mime bundle (`rank_io.MARK`: a figure, an image, HTML) is displayed
+    in the cell instead, after a `[rank N]` line. Where it all goes is the *sink*: `sink=`, or
+    the one `output_sink(sink)` sets for a block of code, or `CellSink` (print, display).
     """
 
-    def __init__(self, run_dir, world_size, quiet):
+    def __init__(self, run_dir, world_size, quiet, sink=None):
         self.quiet = quiet
+        self.sink = sink
         self.streams = {}     # fd -> _Stream
         self.logs = {}
         self._open_line = {"stdout": None, "stderr": None}   # the stream whose line is unfinished there
@@ -372,11 +379,18 @@ class OutputPump:
     def _print(self, printed):
         if self.quiet:
             return
+        sink = self.sink or (_sinks[-1] if _sinks else CellSink)
         for dest, pieces in printed.items():
-            if pieces:
-                out = sys.stdout if dest == "stdout" else sys.stderr
-                out.write("".join(pieces))
-                out.flush()
+            text = []
+            for rank, piece in pieces + [(None, None)]:
+                if isinstance(piece, str):
+                    text.append((rank, piece))
+                    continue
+                if text:
+                    sink.write(dest, text)
+                    text = []
+                if piece is not None:
+                    sink.display(rank, piece.data, piece.metadata)
 
     def _take(self, stream, pieces, printed):
         for shown, logged in pieces:
@@ -384,10 +398,23 @@ class OutputPump:
             if not shown:
                 continue
             owner = self._open_line[stream.dest]
-            if owner is not None and owner is not stream and not shown.startswith("\r"):
-                shown = "\n" + shown   # another rank's progress line is open: start a new one
-            printed[stream.dest].append(shown)
-            self._open_line[stream.dest] = None if shown.endswith("\n") else stream
+            if owner is not None and isinstance(shown, _Display):
+                printed[stream.dest].append((owner.rank, "\n"))   # end an open progress line first
+            elif owner is not None and owner is not stream:
+                if not shown.startswith("\r"):
+                    shown = "\n" + shown   # another rank's progress line is open: start a new one
+            printed[stream.dest].append((stream.rank, shown))
+            self._open_line[stream.dest] = None if isinstance(shown, _Display) or shown.endswith("\n") else stream
+
+    def end_lines(self):
+        """End every unfinished line (a prompt, `print(..., end="")`) now, so that it is shown with
+        this cell's output rather than joined to the next cell's first line (a warm pool's ranks
+        outlive the cell)."""
+        printed = {"stdout": [], "stderr": []}
+        for stream in self.streams.values():
+            self._take(stream, stream.finish(), printed)
+            stream.after_cr = False
+        self._print(printed)
 
     def drain(self):
         """Print everything the workers have written so far."""
@@ -403,6 +430,63 @@ class OutputPump:
         self._print(printed)
         for log in self.logs.values():
             log.close()
+
+
+class CellSink:
+    """Where a pump's output goes unless told otherwise: print (the cell's stdout and stderr), and
+    display a rank's mime bundle after a `[rank N]` line (its text alone outside IPython)."""
+
+    @staticmethod
+    def write(dest, pieces):
+        """pieces: [(rank, text with its `[rank N] ` prefixes)], in order."""
+        out = sys.stdout if dest == "stdout" else sys.stderr
+        out.write("".join(text for _, text in pieces))
+        out.flush()
+
+    @staticmethod
+    def display(rank, data, metadata):
+        shell = sys.modules.get("IPython") and sys.modules["IPython"].get_ipython()
+        if shell is None or not any(key != "text/plain" for key in data):
+            text = data.get("text/plain", "").replace("\n", "\n" + " " * len(f"[rank {rank}] "))
+            print(f"[rank {rank}] {text}", flush=True)
+            return
+        from IPython.display import display
+        print(f"[rank {rank}]", flush=True)
+        display(data, metadata=metadata, raw=True)
+
+
+_sinks = []   # set by output_sink, innermost last
+
+
+@contextlib.contextmanager
+def output_sink(sink):
+    """Send the output of the ranks started or run in this block to `sink` (see CellSink)."""
+    _sinks.append(sink)
+    try:
+        yield sink
+    finally:
+        _sinks.remove(sink)
+
+
+class _Display:
+    """A mime bundle a rank sent on its stdout."""
+
+    def __init__(self, data, metadata):
+        self.data, self.metadata = data, metadata
+
+    @classmethod
+    def parse(cls, segment):
+        """The bundle a marked line carries, or None for a line of text."""
+        if not segment.startswith(_MARK):
+            return None
+        try:
+            bundle = json.loads(segment[len(_MARK):])
+            return cls(dict(bundle["data"]), dict(bundle.get("metadata") or {}))
+        except (ValueError, KeyError, TypeError):
+            return None
+
+
+_MARK = MARK.encode()
 
 
 class _Stream:
@@ -432,6 +516,10 @@ class _Stream:
         return [piece]
 
     def _piece(self, segment, end):
+        shown = _Display.parse(segment) if end != b"\r" else None
+        if shown is not None:
+            self.after_cr = False
+            return shown, f"[display: {', '.join(shown.data)}]\n".encode()
         text = self._text(segment)
         if end == b"\r":
             shown = f"\r{self.prefix}{text}" if self.after_cr else f"{self.prefix}{text}"

@@ -34,6 +34,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from . import rank_io
 from .run_dirs import process_alive
 
 
@@ -131,6 +132,7 @@ def setup_worker_process(local_rank, job):
     torch.set_num_threads(omp_threads(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.set_debug_level_from_env()
     linecache.cache.update(job.cell_sources)
+    rank_io.setup()   # figures and display() reach the notebook; input() says there is no stdin
     return rank
 
 
@@ -168,18 +170,23 @@ def rank_namespace():
     initialised = dist.is_initialized()
     return {"__name__": "__ddp__", "torch": torch, "dist": dist,
             "rank": dist.get_rank() if initialised else 0,
-            "world_size": dist.get_world_size() if initialised else 1}
+            "world_size": dist.get_world_size() if initialised else 1,
+            "display": rank_io.display}
 
 
 def exec_cell(source, namespace, filename):
-    """Execute a cell like IPython does: the last bare expression is evaluated and returned."""
+    """Execute a cell like IPython does: the last bare expression is evaluated and returned (a
+    `rank_io.Shown` when it has a richer view than text), and the figures left open are shown."""
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     tree = ast.parse(source, filename)
     last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
-    exec(compile(tree, filename, "exec"), namespace)
-    if last is None:
-        return None
-    return eval(compile(ast.Expression(last.value), filename, "eval"), namespace)
+    try:
+        exec(compile(tree, filename, "exec"), namespace)
+        if last is None:
+            return None
+        return rank_io.last_value(to_cpu(eval(compile(ast.Expression(last.value), filename, "eval"), namespace)))
+    finally:
+        rank_io.show_figures()
 
 
 def run_cell(source, sent_globals, filename):

@@ -1,0 +1,18 @@
+"""The matplotlib backend of a rank (`MPLBACKEND=module://ddp_helpers.rank_backend`, set by
+`rank_io.setup`): Agg draws, and `plt.show()` sends each open figure to the notebook cell as a PNG,
+labelled with the rank, then closes it, as Jupyter's inline backend does in a kernel.
+
+It follows matplotlib's interface for third-party backends: FigureCanvas, FigureManager, show.
+"""
+from matplotlib.backend_bases import FigureManagerBase
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+from .rank_io import show_figures
+
+FigureCanvas = FigureCanvasAgg
+FigureManager = FigureManagerBase
+
+
+def show(*args, **kwargs):
+    """plt.show(): show the open figures in the notebook cell, then close them."""
+    show_figures()

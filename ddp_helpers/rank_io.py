@@ -1,0 +1,215 @@
+"""A rank's side of the notebook's input and output beyond plain text.
+
+- **Rich output.** A rank has no Jupyter kernel of its own, so `display(obj)` would print
+  `<IPython.core.display.HTML object>` and a figure `Figure(640x480)`. Here a rank formats what it
+  shows with IPython's own `DisplayFormatter` (the mime bundle a kernel would send: PNG, HTML, ...)
+  and writes it, as one marked line, on its stdout pipe; the kernel's `supervisor.OutputPump` sees
+  the mark and shows the bundle in the cell, after a `[rank N]` line. Matplotlib draws through
+  `rank_backend` (set by MPLBACKEND, as Jupyter's inline backend is): `plt.show()` shows the open
+  figures and closes them, and a `%%ddp` cell shows the figures still open at its end.
+- **No stdin.** A rank cannot ask the learner anything: `input()` raises `NoStdin` at once (an
+  EOFError) instead of writing a prompt that would surface in the next cell's output.
+- **`%%ddp --ranks`**: `only_ranks` refuses, before anything is sent, a collective (or a send or
+  recv) that needs a rank outside the cell's ranks: those ranks never join, and the cell would
+  wait until its timeout.
+
+`setup()` is called once in every rank, by `worker.setup_worker_process`.
+"""
+import base64
+import builtins
+import json
+import os
+import sys
+
+import IPython.core.display_functions   # imported in the fork server (PRELOAD imports worker), so free here
+
+BACKEND = "module://ddp_helpers.rank_backend"
+# A rank's stdout line that carries a mime bundle, not text: MARK + JSON.
+MARK = "\x00ddp-display\x00"
+
+
+class NoStdin(EOFError):
+    """`input()` in a rank: ranks have no stdin."""
+
+
+def setup():
+    """In a rank, once: matplotlib draws for the notebook, `display` shows there, `input` refuses."""
+    if os.environ.get("MPLBACKEND", "") in ("", "inline") or "matplotlib_inline" in os.environ["MPLBACKEND"]:
+        os.environ["MPLBACKEND"] = BACKEND   # read when matplotlib is imported (a kernel sets the inline one)
+        if "matplotlib" in sys.modules:
+            sys.modules["matplotlib"].use(BACKEND)
+    builtins.input = _no_input
+    import IPython.display
+    IPython.core.display_functions.display = IPython.display.display = display
+
+
+def _no_input(prompt=""):
+    asked = f" (it asked {str(prompt).strip()!r})" if str(prompt).strip() else ""
+    raise NoStdin(f"input() in a rank: ranks have no stdin, nobody can type into them{asked}.\n"
+                  "Read the value in the notebook first (a %%ddp cell takes the notebook variables it\n"
+                  "uses), `%ddp push NAME` it to a warm pool, or pass it to launch as an argument.")
+
+
+# ------------------------------------------------------------------ display
+_formatter = None
+
+
+def _display_formatter():
+    global _formatter
+    if _formatter is None:
+        from IPython.core.formatters import DisplayFormatter
+        from IPython.core.pylabtools import print_figure
+        _formatter = DisplayFormatter()
+        # What the inline backend registers in a kernel: a figure's PNG.
+        _formatter.formatters["image/png"].for_type_by_name(
+            "matplotlib.figure", "Figure", lambda fig: print_figure(fig, "png", bbox_inches="tight"))
+    return _formatter
+
+
+def mime_bundle(obj):
+    """(data, metadata) as a kernel would show `obj`, binary data base64-encoded (as Jupyter keeps it)."""
+    data, metadata = _display_formatter().format(obj)
+    data = {k: base64.b64encode(v).decode("ascii") if isinstance(v, bytes) else v for k, v in data.items()}
+    return data, metadata
+
+
+def is_rich(data):
+    return any(key != "text/plain" for key in data)
+
+
+def display(*objs, raw=False, metadata=None, **_):
+    """IPython's `display`, in a rank: each object is shown in the notebook cell, after `[rank N]`."""
+    for obj in objs:
+        if raw:
+            data, meta = obj, metadata or {}
+        else:
+            data, meta = mime_bundle(obj)
+            meta = {**meta, **(metadata or {})}
+        send_bundle(data, meta)
+
+
+def send_bundle(data, metadata=None):
+    """Write one mime bundle on stdout (the file descriptor: the kernel's pipe, whatever sys.stdout
+    is now), in order with what the rank printed before."""
+    line = (MARK + json.dumps({"data": data, "metadata": metadata or {}}) + "\n").encode()
+    for stream in (sys.stdout, sys.__stdout__):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):
+            pass
+    view = memoryview(line)
+    while view:
+        view = view[os.write(1, view):]
+
+
+def show_figures():
+    """Show every open pyplot figure, then close it (what Jupyter's inline backend does at the end
+    of a cell): when this rank draws with `rank_backend`."""
+    pyplot = sys.modules.get("matplotlib.pyplot")
+    if pyplot is None or pyplot.get_backend() != BACKEND:
+        return
+    for number in pyplot.get_fignums():
+        display(pyplot.figure(number))
+        pyplot.close(number)
+
+
+class Shown:
+    """A cell's last value that has a rich view (an image, HTML, a figure): the value, and its bundle."""
+
+    def __init__(self, value, data, metadata):
+        self.value, self.data, self.metadata = value, data, metadata
+
+
+def last_value(value):
+    """What a `%%ddp` cell gives back for its last value: the value itself, or a `Shown` when it has a
+    richer view than text (a figure is shown once: it is closed, not shown again with the open ones)."""
+    if value is None:
+        return None
+    try:
+        data, metadata = mime_bundle(value)
+    except Exception:
+        return value
+    if not is_rich(data):
+        return value
+    pyplot = sys.modules.get("matplotlib.pyplot")
+    figure = sys.modules.get("matplotlib.figure")
+    if pyplot is not None and figure is not None and isinstance(value, figure.Figure):
+        pyplot.close(value)
+    return Shown(value, data, metadata)
+
+
+# ---------------------------------------------------------- %%ddp --ranks
+# Operators that communicate: torch.distributed's collectives and p2p (c10d), and the functional
+# collectives that DTensor and torch.compile use (_c10d_functional, which name their group).
+_COMMUNICATION = ("c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd")
+
+
+class CollectiveOutsideRanks(RuntimeError):
+    """A `%%ddp --ranks` cell called a collective that needs ranks the cell does not run on."""
+
+
+def only_ranks(ranks):
+    """A context in which a collective (or send/recv) that needs a rank outside `ranks` raises
+    CollectiveOutsideRanks before it starts. A TorchDispatchMode sees the `c10d.*` operators that
+    torch.distributed's collectives dispatch to."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    allowed = set(ranks)
+
+    class OnlyRanks(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "namespace", None) in _COMMUNICATION:
+                needed = _ranks_needed(func, args, kwargs or {})
+                if needed is not None and not needed <= allowed:
+                    raise CollectiveOutsideRanks(_outside_message(func, needed, allowed))
+            return func(*args, **(kwargs or {}))
+
+    return OnlyRanks()
+
+
+def _ranks_needed(func, args, kwargs):
+    """The global ranks a c10d operator needs: its group's ranks, or the one peer of a send/recv.
+    None: no group among its arguments (not a communication)."""
+    import torch
+    import torch.distributed as dist
+
+    values = dict(zip((a.name for a in func._schema.arguments), args))
+    values.update(kwargs)
+    group = values.get("process_group", values.get("group_name"))
+    if group is None:
+        return None
+    try:
+        if isinstance(group, str):
+            group = dist.distributed_c10d._resolve_process_group(group)
+        elif isinstance(group, torch._C.ScriptObject):
+            group = dist.ProcessGroup.unbox(group)
+        members = dist.get_process_group_ranks(group)
+    except Exception:   # a torch that does not say: assume the whole world
+        group, members = None, list(range(dist.get_world_size()))
+    name = func._schema.name.split("::")[-1]
+    for peer in ("dst", "src"):
+        if name in ("send", "recv_") and isinstance(values.get(peer), int):
+            try:
+                return {dist.get_global_rank(group, values[peer]) if group is not None else values[peer]}
+            except Exception:
+                return {values[peer]}
+    return set(members)
+
+
+# c10d operator -> the torch.distributed function learners call
+_CALLED_AS = {"allreduce": "all_reduce", "allgather": "all_gather", "allgather_into_tensor_coalesced":
+              "all_gather_into_tensor", "_allgather_base": "all_gather_into_tensor",
+              "reduce_scatter": "reduce_scatter", "_reduce_scatter_base": "reduce_scatter_tensor",
+              "alltoall": "all_to_all", "alltoall_base": "all_to_all_single", "recv": "recv",
+              "recv_any_source": "recv (from any source)"}
+
+
+def _outside_message(func, needed, allowed):
+    import torch.distributed as dist
+    name = func._schema.name.split("::")[-1].rstrip("_")
+    name = _CALLED_AS.get(name, name)
+    missing = sorted(needed - allowed)
+    who = f"rank {missing[0]}, which does" if len(missing) == 1 else f"ranks {missing}, which do"
+    return (f"rank {dist.get_rank()}: this cell runs on ranks {sorted(allowed)} only (%%ddp --ranks),\n"
+            f"but its {name} needs {who} not run this cell: it would wait until the timeout.\n"
+            "Run a cell that communicates with plain %%ddp, on every rank.")
