@@ -65,6 +65,9 @@ class Pool:
         ranks = self.check_ranks(ranks)
         sent = globals_to_send(source, user_ns or {})
         only = None if ranks == list(range(self.world_size)) else ranks
+        if only is not None and self._ranks is not None and not self._sees_collectives:
+            _notice(f"this torch does not show the ranks their collectives: one in a cell on ranks {ranks} "
+                    f"would wait until the timeout ({timeout:g} s).")
         values = self._request(("exec", source, sent, filename, only), timeout, ranks)
         return PerRank.of(values, ranks)
 
@@ -150,7 +153,8 @@ class Pool:
                 theirs.close()
         self._ranks, self._conns = ranks, [mine for mine, _ in pipes]
         self.run_dir, self.port = ranks.run_dir, ranks.port
-        self._collect(self.start_timeout, what="start")  # each rank says ready once its group is formed
+        # each rank says ready once its group is formed, and whether it can see its collectives
+        self._sees_collectives = all(self._collect(self.start_timeout, what="start"))
 
     def _request(self, request, timeout, ranks=None):
         if self._stopped:

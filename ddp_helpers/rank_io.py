@@ -167,6 +167,32 @@ def only_ranks(ranks):
     return OnlyRanks()
 
 
+def collectives_visible():
+    """Does `only_ranks` see this torch's collectives? (It does on torch 2.14: they dispatch to
+    c10d operators.) Call it on every rank at once: where the mode does not see it, the probe's
+    all_reduce of a zero really runs, and completes, since every rank makes it."""
+    import torch
+    import torch.distributed as dist
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(Exception):
+        pass
+
+    class Probe(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "namespace", None) in _COMMUNICATION:
+                raise Seen
+            return func(*args, **(kwargs or {}))
+
+    device = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
+    try:
+        with Probe():
+            dist.all_reduce(torch.zeros(1, device=device))
+    except Seen:
+        return True
+    return False
+
+
 def _ranks_needed(func, args, kwargs):
     """The global ranks a c10d operator needs: its group's ranks, or the one peer of a send/recv.
     None: no group among its arguments (not a communication)."""

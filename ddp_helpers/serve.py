@@ -36,7 +36,7 @@ def serve(local_rank, job, connections):
     try:
         setup_worker_process(local_rank, job)
         init_process_group(job.backend, local_rank, job.pg_timeout_s)
-        conn.send(("ok", dumps(None), True))
+        conn.send(("ok", dumps(rank_io.collectives_visible()), True))   # for %%ddp --ranks
     except BaseException as exc:
         conn.send(("error", describe_exception(exc), dist.is_initialized()))
         end_worker()

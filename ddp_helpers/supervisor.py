@@ -502,24 +502,34 @@ class _Stream:
         """[(text to show, bytes to log)] for what `data` completes; a redrawn line is shown at once."""
         parts = _LINE_ENDS.split(self.pending + data)
         self.pending = parts.pop()
-        pieces = [self._piece(parts[i], parts[i + 1]) for i in range(0, len(parts), 2)]
-        if self.after_cr and self.pending:
-            pieces.append((f"\r{self.prefix}{self._text(self.pending)}", b""))
+        pieces = []
+        for i in range(0, len(parts), 2):
+            pieces.extend(self._pieces(parts[i], parts[i + 1]))
+        redrawn = self.pending.split(b"\0")[0]   # not the start of a display's line
+        if self.after_cr and redrawn:
+            pieces.append((f"\r{self.prefix}{self._text(redrawn)}", b""))
         return pieces
 
     def finish(self):
         """What is left when the stream ends."""
         if not self.pending:
             return [("\n", b"") if self.after_cr else ("", b"")]
-        piece = self._piece(self.pending, b"\n")
+        pieces = self._pieces(self.pending, b"\n")
         self.pending = b""
-        return [piece]
+        return pieces
+
+    def _pieces(self, segment, end):
+        """A line that carries a display: the text before its mark (a line left unfinished), then
+        the display."""
+        at = segment.find(_MARK) if end != b"\r" else -1
+        shown = _Display.parse(segment[at:]) if at >= 0 else None
+        if shown is None:
+            return [self._piece(segment, end)]
+        pieces = [self._piece(segment[:at], end)] if at > 0 else []
+        self.after_cr = False
+        return pieces + [(shown, f"[display: {', '.join(shown.data)}]\n".encode())]
 
     def _piece(self, segment, end):
-        shown = _Display.parse(segment) if end != b"\r" else None
-        if shown is not None:
-            self.after_cr = False
-            return shown, f"[display: {', '.join(shown.data)}]\n".encode()
         text = self._text(segment)
         if end == b"\r":
             shown = f"\r{self.prefix}{text}" if self.after_cr else f"{self.prefix}{text}"

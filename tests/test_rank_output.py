@@ -141,3 +141,30 @@ def test_warm_pool_rich_output_and_cells_on_some_ranks():
     assert "[rank 0] next 0 2.0" in after and "ddp pool: started" not in after, "the pool is still up"
     assert "[rank 0] 2.0\n[rank 1] 2.0" in text_of(out[13])
     assert "no pool is running" in text_of(out[15]) and text_of(out[15]).startswith("UsageError")
+
+
+def test_a_pool_knows_whether_its_ranks_see_their_collectives(capfd):
+    from ddp_helpers import rank_io
+    from ddp_helpers.pool import Pool
+    with Pool(world_size=2) as pool:
+        assert pool._sees_collectives, "torch's collectives dispatch to c10d operators here"
+        assert pool.run(rank_io.collectives_visible) == [True, True]
+        assert list(pool.run_cell("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()")) == [2.0, 2.0], \
+            "the probe sent nothing: the group is in step"
+        capfd.readouterr()
+        pool._sees_collectives = False   # a torch whose collectives a dispatch mode cannot see
+        assert list(pool.run_cell("rank", ranks=[1])) == [1]
+        assert "would wait until the timeout" in capfd.readouterr().out
+
+
+def test_a_display_line_after_unfinished_text_or_a_progress_line():
+    import json
+    from ddp_helpers.supervisor import MARK, _Display, _Stream
+    line = (MARK + json.dumps({"data": {"text/plain": "x", "image/png": "AAA"}, "metadata": {}})).encode()
+    stream = _Stream(0, "stdout")
+    pieces = stream.feed(b"50%\r60%\r" + line[:20])
+    assert [p for p, _ in pieces] == ["[rank 0] 50%", "\r[rank 0] 60%"], "half a display is not shown"
+    pieces = stream.feed(line[20:] + b"\nasked: " + line + b"\n")
+    assert isinstance(pieces[0][0], _Display) and pieces[0][0].data["image/png"] == "AAA"
+    assert pieces[1][0] == "[rank 0] asked: \n", "text before a display keeps its own line"
+    assert isinstance(pieces[2][0], _Display) and pieces[2][1] == b"[display: text/plain, image/png]\n"
