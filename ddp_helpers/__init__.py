@@ -15,4 +15,6 @@ __all__ = ["launch", "spawn", "WorkerError", "WorkerTimeout", "load_ipython_exte
 
 def load_ipython_extension(ipython):
     from .magic import register
+    from .tutorials import enable
     register(ipython)
+    enable()   # PyTorch's tutorials' mp.spawn / mp.Process lines run as written (tutorials.disable() undoes it)

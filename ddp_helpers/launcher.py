@@ -29,7 +29,7 @@ from . import machine
 from .cells import dumps, dumps_with_sources
 from .supervisor import Supervisor, describe_exit, interrupted
 from .supervisor import Rendezvous, loopback_interface, worker_env  # noqa: F401 (used from here elsewhere)
-from .worker import WorkerJob, error_file, no_group_file, result_file, run_worker
+from .worker import WorkerJob, error_file, no_group_file, rendezvous_file, result_file, run_worker
 
 BACKENDS = ("gloo", "nccl", "auto")
 MAX_WORLD_SIZE = 64          # one machine; past this use torchrun across nodes
@@ -260,10 +260,16 @@ def _outcome(ranks, timeout, quiet, hint=None):
         ranks.stop()
         done = [r for r in range(n) if r not in detail]
         where = "in the logs" if quiet else "printed above"
+        waiting = _waiting_in_rendezvous(run_dir, detail)
+        if waiting:
+            why = (f"rank(s) {sorted(waiting)} were still in init_process_group, waiting for the "
+                   f"rendezvous at {', '.join(sorted(set(waiting.values())))}: nobody serves it, or not "
+                   "every rank joined it")
+        else:
+            why = "A rank waiting in a collective for a rank that never calls it waits forever"
         raise WorkerTimeout(
             f"timed out after {timeout:g} s: rank(s) {detail} had not finished "
-            f"(finished: {done or 'none'}). A rank waiting in a collective for a rank that "
-            f"never calls it waits forever; their stacks are {where}. Logs: {run_dir}",
+            f"(finished: {done or 'none'}). {why}; their stacks are {where}. Logs: {run_dir}",
             unfinished_ranks=detail, log_dir=run_dir)
     if outcome == "failed":
         gone = ranks.gone()   # ended, their status not in yet: noted before stop() ends every rank
@@ -323,6 +329,18 @@ def _describe_exit(run_dir, rank, exitcode, record):
     if exitcode == 0:
         return "exited with code 0 before returning a value (sys.exit or os._exit inside the function?)"
     return describe_exit(exitcode)
+
+
+def _waiting_in_rendezvous(run_dir, ranks):
+    """{rank: the address it waits on} for ranks that are inside init_process_group."""
+    found = {}
+    for r in ranks:
+        try:
+            with open(rendezvous_file(run_dir, r)) as f:
+                found[r] = f.read().strip() or "?"
+        except OSError:
+            pass
+    return found
 
 
 def _read_error(run_dir, rank):

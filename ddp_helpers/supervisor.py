@@ -22,6 +22,7 @@ import contextlib
 import json
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.spawn
 import os
 import re
 import signal
@@ -37,7 +38,8 @@ import torch.multiprocessing
 from . import forkserver, machine
 from .rank_io import MARK
 from .run_dirs import new_run_dir, process_alive, release_run_dir
-from .worker import error_file, no_group_file, omp_threads, result_file, stderr_pipe, stdout_pipe
+from .worker import (error_file, no_group_file, omp_threads, rendezvous_file, result_file, stderr_pipe,
+                     stdout_pipe)
 
 STOP_GRACE_S = 2.0           # SIGTERM, then SIGKILL after this long
 LOOK_AT_CHILDREN_S = 0.5     # how often wait() notes the processes the ranks started
@@ -74,7 +76,7 @@ class Supervisor:
     def start(self, target, args):
         """Start the ranks: `target(local_rank, *args)` in each."""
         forkserver.start()   # unless it runs already (started by an earlier launch or by `import ddp_helpers`)
-        with _main_script_findable():
+        with _main_script_not_rerun():
             self._context = torch.multiprocessing.start_processes(
                 target, args=args, nprocs=self.world_size, join=False, start_method=forkserver.start_method())
         self.processes = self._context.processes
@@ -211,20 +213,25 @@ def _signal_all(processes, how):
 
 
 @contextlib.contextmanager
-def _main_script_findable():
-    """multiprocessing re-runs the main script in every new process, found by its file name. A
-    script read from standard input (`python - < script.py`) has the name "<stdin>", no file:
-    every rank failed looking for it. Such a name is hidden while the ranks start."""
-    main = sys.modules.get("__main__")
-    path = getattr(main, "__file__", None)
-    if path is None or getattr(main, "__spec__", None) is not None or os.path.exists(path):
-        yield
-        return
-    del main.__file__
+def _main_script_not_rerun():
+    """multiprocessing re-runs the main script in every new process (as `__mp_main__`), so that the
+    functions it pickled by name can be found there. A rank needs none of it: the function and
+    everything it uses travel by value. So a script that calls `launch` without the
+    `if __name__ == "__main__":` guard works (each rank re-ran it and launched again), and a script
+    read from standard input (`python - < script.py`, a "<stdin>" that is no file) starts too."""
+    real = multiprocessing.spawn.get_preparation_data
+
+    def without_main(name):
+        data = real(name)
+        data.pop("init_main_from_path", None)
+        data.pop("init_main_from_name", None)
+        return data
+
+    multiprocessing.spawn.get_preparation_data = without_main
     try:
         yield
     finally:
-        main.__file__ = path
+        multiprocessing.spawn.get_preparation_data = real
 
 
 def interrupted(message):
@@ -248,7 +255,7 @@ def remove_scratch(run_dir, n):
     """Remove pipes, result and marker files; keep the logs."""
     for r in range(n):
         for path in (stdout_pipe(run_dir, r), stderr_pipe(run_dir, r), result_file(run_dir, r),
-                     error_file(run_dir, r), no_group_file(run_dir, r)):
+                     error_file(run_dir, r), no_group_file(run_dir, r), rendezvous_file(run_dir, r)):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
 

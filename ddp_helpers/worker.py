@@ -34,6 +34,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from . import tutorials
 from . import rank_io
 from .run_dirs import process_alive
 
@@ -71,6 +72,11 @@ def error_file(run_dir, rank):
 def no_group_file(run_dir, rank):
     """Left by a rank of an init=False launch that returned without ever joining a process group."""
     return os.path.join(run_dir, f"rank{rank}.nogroup")
+
+
+def rendezvous_file(run_dir, rank):
+    """Where a rank waits for its rendezvous while it is in init_process_group (see `tutorials`)."""
+    return os.path.join(run_dir, f"rank{rank}.rendezvous")
 
 
 def run_worker(local_rank, job):
@@ -133,6 +139,7 @@ def setup_worker_process(local_rank, job):
     dist.set_debug_level_from_env()
     linecache.cache.update(job.cell_sources)
     rank_io.setup()   # figures and display() reach the notebook; input() says there is no stdin
+    tutorials.install_in_rank(rendezvous_file(job.run_dir, rank))
     return rank
 
 

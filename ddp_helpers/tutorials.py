@@ -1,0 +1,319 @@
+"""Code from PyTorch's tutorials, run as written in a notebook.
+
+PyTorch's tutorials start their ranks with `mp.spawn(demo, args=(world_size,), nprocs=world_size)`
+or `mp.Process(target=..., args=(rank, size, fn))`, and each rank calls
+`init_process_group` itself after setting `MASTER_ADDR` and `MASTER_PORT` to a fixed port.
+Pasted into a notebook, that fails: with the spawn start method a child cannot find a
+function defined in the notebook; a child's traceback goes to the terminal that runs
+Jupyter, not to the cell; and two runs on one machine collide on the fixed port.
+
+`%load_ext ddp_helpers` (or `enable()`) changes that, in this kernel only:
+
+- `torch.multiprocessing.spawn` runs the function on ranks started as `launch` starts them: the
+  function travels by value, each rank's output is printed in the cell as `[rank N] ...`, a rank's
+  error raises `WorkerError` in the cell (with the rank's traceback), and the Interrupt button
+  stops every rank. It returns None, as mp.spawn does.
+- `torch.multiprocessing.Process` objects are started together, as one group of ranks, when the
+  cell first joins one of them (or when the cell ends): rank i runs the i-th process started.
+  Code that talks to a child before it joins it (a Queue, a Pipe) needs the real class:
+  `multiprocessing.Process`, or `disable()`.
+- `torch.multiprocessing.set_start_method` does nothing: those ranks start from ddp_helpers' fork
+  server whatever the method, and the kernel keeps its own (a re-run of the tutorial's cell
+  raised "context has already been set").
+
+In every rank that ddp_helpers starts (`launch`, `spawn`, `%%ddp`, the warm pool), unless
+DDP_HELPERS_TUTORIAL_CODE=0:
+
+- `init_process_group` where a group exists already (a `%%ddp` cell, `launch(init=True)`, the
+  pool) does nothing if it asks for the same backend, rank and world size, and says so in one
+  line; the matching `destroy_process_group()` does nothing too. Anything else is a clear error.
+- `MASTER_ADDR`/`MASTER_PORT` set by the rank's code are put back to the launch's own rendezvous
+  (a port the OS picked, on 127.0.0.1), with one line that says so: no run collides with
+  another, and none waits for a store that nobody serves.
+- a `world_size` or `rank` that does not fit the ranks started is an error at once, not a
+  rendezvous that waits forever.
+
+`disable()` undoes all of it: in the kernel at once, and in ranks started afterwards.
+"""
+import functools
+import inspect
+import multiprocessing
+import os
+import sys
+import urllib.parse
+
+import torch.distributed as dist
+import torch.multiprocessing
+
+SWITCH = "DDP_HELPERS_TUTORIAL_CODE"   # "0": tutorial code runs exactly as torch runs it
+SPAWN_TIMEOUT_S = 3600                 # mp.spawn has no timeout; the Interrupt button stops the ranks
+_spawn_module = sys.modules["torch.multiprocessing.spawn"]
+_ORIGINAL = {"spawn": torch.multiprocessing.spawn, "Process": torch.multiprocessing.Process,
+             "set_start_method": torch.multiprocessing.set_start_method}
+
+
+def enabled():
+    return os.environ.get(SWITCH, "1") != "0"
+
+
+# ------------------------------------------------------------------ the kernel's side
+def enable():
+    """Run tutorial code as written in this kernel (see the module docstring)."""
+    os.environ.pop(SWITCH, None)
+    torch.multiprocessing.spawn = _spawn_module.spawn = spawn_from_cell
+    torch.multiprocessing.Process = Process
+    torch.multiprocessing.set_start_method = set_start_method
+    _watch_cells()
+
+
+def disable():
+    """Put torch.multiprocessing back as torch ships it, and leave the ranks' init_process_group alone."""
+    os.environ[SWITCH] = "0"
+    torch.multiprocessing.spawn = _spawn_module.spawn = _ORIGINAL["spawn"]
+    torch.multiprocessing.Process = _ORIGINAL["Process"]
+    torch.multiprocessing.set_start_method = _ORIGINAL["set_start_method"]
+
+
+def spawn_from_cell(fn, args=(), nprocs=1, join=True, daemon=False, start_method="spawn"):
+    """`torch.multiprocessing.spawn`, for a function that may be defined in the notebook."""
+    from .launcher import spawn
+    if not join:
+        raise ValueError("mp.spawn(..., join=False) is not supported from a notebook: use join=True "
+                         "(or ddp_helpers.tutorials.disable() for torch's own mp.spawn)")
+    spawn(fn, args=args, nprocs=nprocs, init=False, timeout=SPAWN_TIMEOUT_S)
+    return None
+
+
+def set_start_method(method, force=False):
+    """Does nothing: `mp.Process` and `mp.spawn` start their ranks from ddp_helpers' fork server
+    whatever the start method (and the kernel's own DataLoaders keep theirs). torch's would raise
+    "context has already been set" when the tutorial's cell runs again."""
+    return None
+
+
+class Process:
+    """What `mp.Process` is after `enable()`: a rank of a group started at the first join().
+
+    Rank i runs the i-th Process started in the cell (its `run()`: `target(*args, **kwargs)`),
+    with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set as torchrun sets them.
+    """
+
+    def __init__(self, group=None, target=None, name=None, args=(), kwargs=None, *, daemon=None):
+        self._target, self._args, self._kwargs = target, tuple(args), dict(kwargs or {})
+        self.name = name or f"Process-{next(_counter)}"
+        self.daemon = daemon
+        self.exitcode = None
+        self._state = "new"          # new, started (waiting for the group), done
+        self._error = None
+
+    def run(self):
+        if self._target is not None:
+            self._target(*self._args, **self._kwargs)
+
+    def start(self):
+        if self._state != "new":
+            raise AssertionError("cannot start a process twice")
+        self._state = "started"
+        _waiting.append(self)
+
+    def join(self, timeout=None):
+        """Run the group this process belongs to (if it has not run yet) and wait for it. If a rank
+        failed, the first join() raises its WorkerError."""
+        if self._state == "new":
+            raise AssertionError("can only join a started process")
+        _run_waiting()
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def is_alive(self):
+        return False if self._state != "started" else True
+
+    def terminate(self):
+        if self in _waiting:
+            _waiting.remove(self)
+            self._state, self.exitcode = "done", -15
+
+    kill = terminate
+
+    def close(self):
+        pass
+
+    def __repr__(self):
+        return f"<Process name={self.name!r} {self._state} exitcode={self.exitcode}>"
+
+    def __getstate__(self):   # what travels to the rank
+        return {k: v for k, v in self.__dict__.items() if k != "_error"}
+
+
+def _counter_from_one():
+    n = 0
+    while True:
+        n += 1
+        yield n
+
+
+_counter = _counter_from_one()
+_waiting = []   # Process objects started and not yet run
+
+
+def _run_waiting():
+    """Start the processes started so far as one group of ranks, wait for them, note the outcome."""
+    from .launcher import WorkerError, launch
+    group = list(_waiting)
+    _waiting.clear()
+    if not group:
+        return
+    try:
+        launch(_run_process, world_size=len(group), args=(group,), init=False, timeout=SPAWN_TIMEOUT_S)
+    except WorkerError as exc:
+        failures = getattr(exc, "failures", {}) or {}
+        for rank, process in enumerate(group):
+            process._state = "done"
+            process.exitcode = 1 if rank in failures or rank == exc.rank else 0
+        group[0]._error = exc   # the first join() raises it
+        return
+    except BaseException:
+        for process in group:
+            process._state, process.exitcode = "done", 1
+        raise
+    for process in group:
+        process._state, process.exitcode = "done", 0
+
+
+def _run_process(group):
+    """What each rank runs: its own process's run()."""
+    group[int(os.environ["RANK"])].run()
+
+
+def _watch_cells():
+    """Processes started in a cell that never joins them run when the cell ends."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return
+    shell = get_ipython()
+    if shell is None or _after_cell in shell.events.callbacks.get("post_run_cell", []):
+        return
+    shell.events.register("post_run_cell", _after_cell)
+
+
+def _after_cell(result=None):
+    if _waiting:
+        group = list(_waiting)
+        _run_waiting()
+        for process in group:
+            error, process._error = process._error, None
+            if error is not None:
+                print(f"{error}", file=sys.stderr)
+
+
+# ------------------------------------------------------------------ each rank's side
+_real_init = dist.init_process_group
+_real_destroy = dist.destroy_process_group
+_INIT_SIGNATURE = inspect.signature(_real_init)
+
+
+class _RankShims:
+    launch_addr = launch_port = marker = None
+    kept_inits = 0     # init_process_group calls that found the group formed: their destroys do nothing
+
+
+def install_in_rank(marker_path=None):
+    """Called by every rank as it starts (worker.setup_worker_process): see the module docstring."""
+    if not enabled():
+        return
+    _RankShims.launch_addr = os.environ.get("MASTER_ADDR")
+    _RankShims.launch_port = os.environ.get("MASTER_PORT")
+    _RankShims.marker = marker_path
+    for module in (dist, dist.distributed_c10d):
+        module.init_process_group = init_process_group
+        module.destroy_process_group = destroy_process_group
+
+
+def _say(text):
+    """One line, from rank 0 only (every rank would print the same)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"ddp_helpers: {text}", flush=True)
+
+
+@functools.wraps(_real_init)
+def init_process_group(*args, **kwargs):
+    call = _INIT_SIGNATURE.bind(*args, **kwargs)
+    call.apply_defaults()
+    given = call.arguments
+    backend, world_size, rank = given["backend"], given["world_size"], given["rank"]
+    if dist.is_initialized():
+        return _keep_the_group(backend, world_size, rank)
+    started = int(os.environ.get("WORLD_SIZE", "0") or 0)
+    if started and world_size not in (-1, None) and world_size != started:
+        raise ValueError(f"init_process_group(world_size={world_size}), but {started} ranks were started: "
+                         f"they would wait for the missing ones forever. Pass world_size={started}.")
+    if started and rank not in (-1, None) and not 0 <= rank < started:
+        raise ValueError(f"init_process_group(rank={rank}): ranks are 0 to {started - 1} here")
+    init_method = given["init_method"]
+    if given["store"] is None and init_method in (None, "env://"):
+        _use_the_launch_rendezvous()
+    elif isinstance(init_method, str) and init_method.startswith("tcp://") and not _is_the_launch_store(init_method):
+        # Not the launch's store, so rank 0 serves this one (torch before 2.14 would have every rank
+        # wait there for a store that the launcher serves elsewhere).
+        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
+    where = init_method if init_method not in (None, "env://") else (
+        f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}")
+    _mark_rendezvous(where)
+    try:
+        return _real_init(*call.args, **call.kwargs)
+    finally:
+        _mark_rendezvous(None)
+
+
+def _keep_the_group(backend, world_size, rank):
+    current = dist.get_backend()
+    size, me = dist.get_world_size(), dist.get_rank()
+    wanted = str(backend).lower() if backend is not None else current
+    fits = wanted == current and world_size in (-1, None, size) and rank in (-1, None, me)
+    if not fits:
+        raise ValueError(
+            f"a process group exists already ({current}, rank {me} of {size}): this code runs inside it "
+            f"(a %%ddp cell, launch or the pool), and cannot form another with backend={backend!r}, "
+            f"world_size={world_size}, rank={rank}. Drop the call, or use launch(fn, init=False) to "
+            "let the function form its own.")
+    _RankShims.kept_inits += 1
+    _say(f"kept the {current} group of {size} ranks that exists (so init and destroy do nothing)")
+
+
+@functools.wraps(_real_destroy)
+def destroy_process_group(group=None):
+    if group is None and _RankShims.kept_inits > 0:
+        _RankShims.kept_inits -= 1
+        return None
+    return _real_destroy(group)
+
+
+def _is_the_launch_store(url):
+    parsed = urllib.parse.urlparse(url)
+    return (parsed.hostname, str(parsed.port)) == (_RankShims.launch_addr, _RankShims.launch_port)
+
+
+def _use_the_launch_rendezvous():
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if _RankShims.launch_port is None or (addr, port) == (_RankShims.launch_addr, _RankShims.launch_port):
+        return
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = _RankShims.launch_addr, _RankShims.launch_port
+    _say(f"MASTER_ADDR:PORT {addr}:{port} from your code -> this launch's own, "
+         f"{_RankShims.launch_addr}:{_RankShims.launch_port}")
+
+
+def _mark_rendezvous(where):
+    """A file saying where this rank waits for its rendezvous (read by the launcher on a timeout)."""
+    path = _RankShims.marker
+    if path is None:
+        return
+    try:
+        if where is None:
+            os.unlink(path)
+        else:
+            with open(path, "w") as f:
+                f.write(where)
+    except OSError:
+        pass

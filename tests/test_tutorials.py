@@ -1,0 +1,202 @@
+"""Code written the way PyTorch's tutorials write it runs as written: `mp.spawn` and `mp.Process` from a
+notebook cell, a rank's own `init_process_group` with its own MASTER_PORT, a script without the
+`if __name__ == "__main__":` guard. (The tutorial-style code below is written for these tests.)"""
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import REPO, seconds
+from ddp_helpers import WorkerError, WorkerTimeout, launch
+from test_kernel import run_notebook, text_of
+
+
+def tutorial_setup(rank, world_size):
+    """As the DDP tutorial's setup(): a fixed address and port, then the rank's own init."""
+    os.environ["MASTER_ADDR"] = "localhost"
+    os.environ["MASTER_PORT"] = "12355"
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+
+
+def sum_of_ranks_with_own_setup():
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    tutorial_setup(rank, world_size)
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    return t.item()
+
+
+def test_a_rank_that_sets_its_own_master_port_uses_the_launch_rendezvous(capfd):
+    # before: every rank became a client of 12355, which nobody served, until the timeout
+    assert launch(sum_of_ranks_with_own_setup, 2, init=False, timeout=seconds(20)) == [1.0, 1.0]
+    out = capfd.readouterr().out
+    assert "[rank 0] ddp_helpers: MASTER_ADDR:PORT localhost:12355 from your code -> this launch's own" in out
+    assert "[rank 1] ddp_helpers" not in out, "one line, from rank 0"
+
+
+def test_init_process_group_inside_a_formed_group_keeps_it(capfd):
+    # before: "ValueError: trying to initialize the default process group twice!"
+    assert launch(sum_of_ranks_with_own_setup, 2, timeout=seconds(20)) == [1.0, 1.0]
+    assert "kept the gloo group of 2 ranks that exists" in capfd.readouterr().out
+
+
+def init_with(**kwargs):
+    dist.init_process_group("gloo", **kwargs)
+    return dist.get_world_size()
+
+
+def test_a_world_size_that_does_not_fit_is_an_error_at_once():
+    # before: the ranks waited for two more ranks until the launch's timeout
+    with pytest.raises(WorkerError) as caught:
+        launch(init_with, 2, init=False, kwargs={"world_size": 4, "rank": 0}, timeout=seconds(30))
+    assert not isinstance(caught.value, WorkerTimeout)
+    assert "init_process_group(world_size=4), but 2 ranks were started" in str(caught.value)
+    with pytest.raises(WorkerError, match="a process group exists already"):
+        launch(init_with, 2, kwargs={"world_size": 3}, timeout=seconds(30))
+
+
+def test_a_rendezvous_that_cannot_complete_is_named_as_one():
+    with socket.socket() as s:   # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(WorkerTimeout) as caught:
+        launch(init_with, 2, init=False, timeout=5, quiet=True,
+               kwargs={"init_method": f"tcp://127.0.0.1:{port}", "rank": 1, "world_size": 2})
+    message = str(caught.value)
+    assert "were still in init_process_group, waiting for the rendezvous at " \
+           f"tcp://127.0.0.1:{port}" in message, message
+    assert "waiting in a collective" not in message
+
+
+def test_a_script_without_the_main_guard_works(tmp_path):
+    script = tmp_path / "no_guard.py"
+    script.write_text(textwrap.dedent("""
+        from ddp_helpers import launch
+        import torch.distributed as dist
+
+        def rank_and_size():
+            return dist.get_rank(), dist.get_world_size()
+
+        print("results:", launch(rank_and_size, 2, timeout=60))
+    """))
+    env = {**os.environ, "PYTHONPATH": REPO}   # this checkout's ddp_helpers
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=REPO,
+                          env=env, timeout=seconds(60))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("results:") == 1 and "results: [(0, 2), (1, 2)]" in done.stdout
+
+
+P2P_TUTORIAL = '''
+import os
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+def run(rank, size):
+    tensor = torch.zeros(1)
+    if rank == 0:
+        tensor += 1
+        dist.send(tensor=tensor, dst=1)
+    else:
+        dist.recv(tensor=tensor, src=0)
+    print("Rank", rank, "has data", tensor[0])
+
+def init_process(rank, size, fn, backend="gloo"):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = "29500"
+    dist.init_process_group(backend, rank=rank, world_size=size)
+    fn(rank, size)
+
+if __name__ == "__main__":
+    world_size = 2
+    processes = []
+    mp.set_start_method("spawn")
+    for rank in range(world_size):
+        p = mp.Process(target=init_process, args=(rank, world_size, run))
+        p.start()
+        processes.append(p)
+    for p in processes:
+        p.join()
+'''
+
+DDP_TUTORIAL = '''
+import torch.nn as nn
+import torch.optim as optim
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+def setup(rank, world_size):
+    os.environ["MASTER_ADDR"] = "localhost"
+    os.environ["MASTER_PORT"] = "12355"
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+
+def cleanup():
+    dist.destroy_process_group()
+
+class ToyModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net1 = nn.Linear(10, 10)
+        self.relu = nn.ReLU()
+        self.net2 = nn.Linear(10, 5)
+
+    def forward(self, x):
+        return self.net2(self.relu(self.net1(x)))
+
+def demo_basic(rank, world_size):
+    print(f"Running basic DDP example on rank {rank}.")
+    setup(rank, world_size)
+    ddp_model = DDP(ToyModel())
+    optimizer = optim.SGD(ddp_model.parameters(), lr=0.001)
+    optimizer.zero_grad()
+    loss = nn.MSELoss()(ddp_model(torch.randn(20, 10)), torch.randn(20, 5))
+    loss.backward()
+    optimizer.step()
+    cleanup()
+    print(f"Finished running basic DDP example on rank {rank}.")
+
+def run_demo(demo_fn, world_size):
+    mp.spawn(demo_fn, args=(world_size,), nprocs=world_size, join=True)
+
+run_demo(demo_basic, 2)
+'''
+
+
+def test_tutorial_launch_lines_run_notebook_functions_in_a_kernel():
+    failing = ("def broken(rank, world_size):\n"
+               "    if rank == 1:\n"
+               "        raise RuntimeError('broken on rank one')\n")
+    cells = [
+        "%load_ext ddp_helpers",
+        P2P_TUTORIAL,
+        P2P_TUTORIAL,   # a re-run: "context has already been set" before
+        DDP_TUTORIAL,
+        failing + "mp.spawn(broken, args=(2,), nprocs=2)",
+        failing + "ps = [mp.Process(target=broken, args=(r, 2)) for r in range(2)]\n"
+                  "for p in ps: p.start()\nfor p in ps: p.join()",
+        "%%ddp -n 2\nsetup(rank, world_size)\nt = torch.ones(1)\ndist.all_reduce(t)\ncleanup()\nt",
+        "from ddp_helpers import tutorials\ntutorials.disable()\n"
+        "import torch.multiprocessing as mp\nprint(mp.spawn.__module__, mp.Process.__module__)",
+    ]
+    out = run_notebook(cells, timeout=seconds(60))
+    for i in (1, 2):
+        text = text_of(out[i])
+        # before: "Can't get attribute 'init_process' on <module '__main__'>" in the kernel's stderr only
+        assert "[rank 0] Rank 0 has data tensor(1.)" in text and "[rank 1] Rank 1 has data tensor(1.)" in text, text
+        assert "29500 from your code -> this launch's own" in text
+        assert not [o for o in out[i].outputs if o.output_type == "error"], text
+    text = text_of(out[3])
+    assert "[rank 1] Finished running basic DDP example on rank 1." in text, text
+    for i in (4, 5):
+        errors = [o for o in out[i].outputs if o.output_type == "error"]
+        assert errors and errors[0].ename == "WorkerError", text_of(out[i])
+        assert "rank 1 raised RuntimeError: broken on rank one" in text_of(out[i])
+        assert "raise RuntimeError('broken on rank one')" in text_of(out[i]), "the cell's line"
+    text = text_of(out[6])
+    assert "[rank 0] tensor([2.])" in text and "kept the gloo group of 2 ranks" in text, text
+    assert "torch.multiprocessing.spawn multiprocessing.context" in text_of(out[7])
