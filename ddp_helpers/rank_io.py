@@ -17,6 +17,7 @@
 """
 import base64
 import builtins
+import contextlib
 import json
 import os
 import sys
@@ -44,8 +45,8 @@ def setup():
 
 
 def _no_input(prompt=""):
-    asked = f" (it asked {str(prompt).strip()!r})" if str(prompt).strip() else ""
-    raise NoStdin(f"input() in a rank: ranks have no stdin, nobody can type into them{asked}.\n"
+    asked = f"input({str(prompt)!r})" if prompt else "input()"
+    raise NoStdin(f"ranks have no stdin: nobody can answer {asked} in a rank.\n"
                   "Read the value in the notebook first (a %%ddp cell takes the notebook variables it\n"
                   "uses), `%ddp push NAME` it to a warm pool, or pass it to launch as an argument.")
 
@@ -148,10 +149,33 @@ class CollectiveOutsideRanks(RuntimeError):
     """A `%%ddp --ranks` cell called a collective that needs ranks the cell does not run on."""
 
 
+@contextlib.contextmanager
 def only_ranks(ranks):
     """A context in which a collective (or send/recv) that needs a rank outside `ranks` raises
     CollectiveOutsideRanks before it starts. A TorchDispatchMode sees the `c10d.*` operators that
-    torch.distributed's collectives dispatch to."""
+    torch.distributed's collectives dispatch to. The error's traceback ends at the learner's line."""
+    try:
+        with _only_ranks_mode(ranks):
+            yield
+    except CollectiveOutsideRanks as exc:
+        _end_at_user_code(exc.__traceback__)
+        raise
+
+
+def _end_at_user_code(tb):
+    """Cut a traceback after its deepest frame outside torch and ddp_helpers."""
+    import torch
+    library = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
+    last_user = None
+    while tb is not None:
+        if not tb.tb_frame.f_code.co_filename.startswith(library):
+            last_user = tb
+        tb = tb.tb_next
+    if last_user is not None:
+        last_user.tb_next = None
+
+
+def _only_ranks_mode(ranks):
     from torch.utils._python_dispatch import TorchDispatchMode
 
     allowed = set(ranks)
@@ -235,7 +259,7 @@ def _outside_message(func, needed, allowed):
     name = func._schema.name.split("::")[-1].rstrip("_")
     name = _CALLED_AS.get(name, name)
     missing = sorted(needed - allowed)
-    who = f"rank {missing[0]}, which does" if len(missing) == 1 else f"ranks {missing}, which do"
-    return (f"rank {dist.get_rank()}: this cell runs on ranks {sorted(allowed)} only (%%ddp --ranks),\n"
-            f"but its {name} needs {who} not run this cell: it would wait until the timeout.\n"
+    who = f"rank {missing[0]} too, which does" if len(missing) == 1 else f"ranks {missing} too, which do"
+    return (f"{name} in a --ranks cell (ranks {sorted(allowed)}):\n"
+            f"it needs {who} not run this cell, so it would wait until the timeout.\n"
             "Run a cell that communicates with plain %%ddp, on every rank.")

@@ -67,6 +67,10 @@ def test_rich_output_tabs_and_input_without_a_pool():
         "%%ddp -n 2\nanswer = input('answer? ')",
         "%%ddp -n 2 --tabs\nprint('hello from', rank)\nrank",
         "%%ddp -n 2\nrank * 10",
+        # launch's ranks too: plt.show() and input()
+        "from ddp_helpers import launch, WorkerError\ndef draw():\n    import matplotlib.pyplot as plt\n"
+        "    plt.plot([1, 2])\n    plt.show()\nlaunch(draw, 2)\ntry:\n    launch(lambda: input('x? '), 1)\n"
+        "except WorkerError as e:\n    print('launch:', e.exc_type)",
     ]
     nb = run_nb(cells, timeout=seconds(40))
     out = nb.cells
@@ -87,6 +91,9 @@ def test_rich_output_tabs_and_input_without_a_pool():
     assert "[rank 0] 0\n[rank 1] 1" in text_of(out[3])
     assert [o.output_type for o in out[4].outputs] == ["execute_result"]
     assert out[4].outputs[0].data == {"text/plain": "[rank 0] 0\n[rank 1] 10"}, "plain values as before"
+    items = shown(out[5])
+    assert label_before(items, 0, "png") and label_before(items, 1, "png"), items
+    assert "launch: NoStdin" in text_of(out[5])
 
 
 def test_warm_pool_rich_output_and_cells_on_some_ranks():
@@ -130,6 +137,8 @@ def test_warm_pool_rich_output_and_cells_on_some_ranks():
         assert "WorkerError" in text and "plain %%ddp" in text and "--ranks" in text, text
         assert seconds_taken(cell) < seconds(10), "said at once, not at the timeout"
     assert "send" in text_of(out[5]) and "rank 1" in text_of(out[5])
+    assert "dist.all_reduce(t)" in text_of(out[4]) and "distributed_c10d.py" not in text_of(out[4]), \
+        "the traceback ends at the cell's line"
     for cell, words in zip(out[6:11], ["twice", "0 or 1", "no ranks", "'one'", "0 or 1"]):
         text = text_of(cell)
         assert text.startswith("UsageError: ") and words in text, text
