@@ -50,7 +50,11 @@ class PerRank(list):
         return rich
 
     def __repr__(self):
-        return "\n".join(f"[rank {r}] {_indent(repr(v))}" for r, v in zip(self.ranks, self))
+        return "\n".join(f"[rank {r}] {_indent(repr(v))}" for r, v in zip(self._labels(), self))
+
+    def _labels(self):
+        ranks = self.__dict__.get("ranks")   # a PerRank pickled before it had ranks, or appended to
+        return ranks if ranks is not None and len(ranks) == len(self) else range(len(self))
 
     def _repr_pretty_(self, printer, cycle):
         printer.text(repr(self))
@@ -62,7 +66,7 @@ class _RichPerRank(PerRank):
 
     def _ipython_display_(self):
         from IPython.display import display
-        for i, (rank, value) in enumerate(zip(self.ranks, self)):
+        for i, (rank, value) in enumerate(zip(self._labels(), self)):
             if i in self.bundles:
                 print(f"[rank {rank}]", flush=True)
                 data, metadata = self.bundles[i]

@@ -92,7 +92,7 @@ def display(*objs, raw=False, metadata=None, **_):
 def send_bundle(data, metadata=None):
     """Write one mime bundle on stdout (the file descriptor: the kernel's pipe, whatever sys.stdout
     is now), in order with what the rank printed before."""
-    line = (MARK + json.dumps({"data": data, "metadata": metadata or {}}) + "\n").encode()
+    line = (MARK + json.dumps({"data": data, "metadata": metadata or {}}, default=str) + "\n").encode()
     for stream in (sys.stdout, sys.__stdout__):
         try:
             stream.flush()
