@@ -24,19 +24,26 @@ their variables from cell to cell:
     %ddp pull loss              # each rank's value of a variable
     %ddp stop                   # end the ranks
 
-On a warm pool, `%%ddp --ranks 0,2` (or `-r 0,2`) runs a cell on those ranks only, the others
-stay idle and keep their variables: for cells that do not communicate (look at one rank's
-variables, plot on rank 0). A collective, or a send/recv to a rank outside the list, would wait
-for ranks that never join: it is refused in the rank that calls it, at once, with an error that
-says so (run such a cell with plain `%%ddp`, on every rank); the pool stays up.
+On a warm pool, a cell can run on some ranks only; the others stay idle and keep their variables.
+It is for cells that do not communicate (look at one rank's variables, plot on rank 0):
 
-Rich output: a matplotlib figure (`plt.show()`, or left open at the end of the cell), `display(obj)`
-and a last value with a richer view than text (an image, HTML, a DataFrame) appear in the cell as
-they would in the notebook, each after a `[rank N]` line. Plain values stay `[rank N] value` lines.
-A rank has no stdin: `input()` raises `rank_io.NoStdin` (an EOFError); pass values in instead.
+    %%ddp --ranks 0,2           # or -r 0,2; each value is shown with its rank, as always
+    loss
 
-`%%ddp --tabs` shows each rank's printed output on a page of its own (an ipywidgets Tab) instead
-of the `[rank N] ...` lines of all ranks together.
+A collective in such a cell (or a send/recv to a rank outside the list) would wait for ranks
+that never join it. It is refused at once, in the rank that calls it, by an error that says so:
+run cells that communicate with plain `%%ddp`, on every rank. The pool stays up.
+
+Rich output, as a notebook shows it: a matplotlib figure (`plt.show()`, or still open at the end
+of the cell), `display(obj)`, and a last value with a richer view than text (an image, HTML, a
+DataFrame) appear in the cell, each after a `[rank N]` line. Plain values stay `[rank N] value`
+lines. Figures and `display` work in `launch`'s ranks too.
+
+    %%ddp --tabs                # each rank's printed output on a tab of its own (ipywidgets)
+    print(f"rank {rank} has {len(shard)} samples")
+
+A rank has no stdin: `input()` raises `rank_io.NoStdin` (an EOFError) at once. Read the value in
+the notebook first (the cell takes the notebook variables it uses), or `%ddp push` it.
 
 A mistake in the options or commands (`-n 0`, an unknown backend or command, a name
 that is not defined) raises IPython's `UsageError`, one line, before any rank starts.
