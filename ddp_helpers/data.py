@@ -86,6 +86,15 @@ def where_to_read(root=None, download_root=None):
     return folder, download_root, need_download
 
 
+def download_if_missing(root=None, download_root=None):
+    """Download torchvision's copy now, in this process, if the ranks would have to: they live in a
+    network of their own (`private_net`) with no way out. Call it before starting them."""
+    folder, download_root, need_download = where_to_read(root, download_root)
+    if need_download:
+        import torchvision
+        torchvision.datasets.CIFAR10(download_root, train=True, download=True)   # both splits: one archive
+
+
 def unavailable_reason():
     """Why CIFAR-10 cannot be had here (no copy, no network), or None when it can."""
     try:

@@ -23,7 +23,8 @@ import sys
 # (a quarter of the import's CPU time went to collections); at the end what it imported is frozen
 # (gc.freeze: the ranks' collections skip it, and leave its memory shared) and collection is on again.
 PRELOAD = ["ddp_helpers.forkserver", "torch", "torch.distributed", "torch._dynamo", "torchvision",
-           "cloudpickle", "psutil", "ddp_helpers.worker", "ddp_helpers.serve", "ddp_helpers.forkserver_ready"]
+           "cloudpickle", "psutil", "ddp_helpers.worker", "ddp_helpers.serve", "ddp_helpers.store_host",
+           "ddp_helpers.forkserver_ready"]
 
 
 def start_method():
@@ -58,7 +59,11 @@ def start_at_import():
 EARLY_ENV_VAR = "DDP_HELPERS_EARLY_FORKSERVER"
 _IN_SERVER = "DDP_HELPERS_IN_FORKSERVER"
 
+NETWORK = "not the fork server"   # in the fork server: None if its ranks have a network of their own, else why not
+
 if os.environ.get(_IN_SERVER):   # this is the fork server, importing PRELOAD; forkserver_ready undoes both
+    from . import private_net
+    NETWORK = private_net.enter()   # first, while this process has one thread: see private_net
     gc.disable()
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # the Interrupt button (sent to the kernel's process group)
                                                    # is for the cell: the server ignores it once it serves

@@ -25,7 +25,7 @@ import time
 
 import torch.distributed as dist
 
-from . import machine
+from . import machine, private_net
 from .cells import dumps, dumps_with_sources
 from .supervisor import Supervisor, describe_exit, interrupted
 from .supervisor import Rendezvous, loopback_interface, worker_env  # noqa: F401 (used from here elsewhere)
@@ -160,6 +160,17 @@ def _hint_for(fn, world_size, spawned=False):
     return hint
 
 
+NO_WAY_OUT = ("Network is unreachable", "Temporary failure in name resolution", "Name or service not known",
+              "No address associated", "nodename nor servname")
+
+
+def _no_way_out(exc_type, message):
+    """The line for a rank that tried to reach the internet from its private network."""
+    if any(words in (message or "") for words in NO_WAY_OUT) or exc_type in ("gaierror", "URLError"):
+        return f"ranks have no network but their own: download in the notebook, or set {private_net.SWITCH}=0"
+    return ""
+
+
 def _insert_hint(message, hint):
     first, _, rest = message.partition("\n")
     return f"{first}\n{hint}\n{rest}" if rest else f"{first}\n{hint}"
@@ -250,7 +261,7 @@ def _outcome(ranks, timeout, quiet, hint=None):
             return None
         if not seen_early:
             seen_early.append(time.monotonic())
-        if time.monotonic() - seen_early[0] > LEFT_EARLY_GRACE_S and ranks.store.store.num_keys() > 0:
+        if time.monotonic() - seen_early[0] > LEFT_EARLY_GRACE_S and ranks.store.num_keys() > 0:
             return early
         return None
 
@@ -276,7 +287,9 @@ def _outcome(ranks, timeout, quiet, hint=None):
         ranks.stop()   # the others; what they printed last comes first
         detail = sorted(set(detail) | {r for r in gone
                                         if ranks.processes[r].exitcode != 0 or not finished(r)})
-        raise _failure_error(run_dir, ranks.processes, detail, hint)
+        private = getattr(ranks, "private_network", False)
+        raise _failure_error(run_dir, ranks.processes, detail,
+                             lambda t, m: (hint(t, m) if hint else "") or (private and _no_way_out(t, m)) or "")
     return [_read_result(run_dir, r) for r in range(n)]
 
 

@@ -26,6 +26,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from . import data
 from . import train as train_module
 from .launcher import launch
 
@@ -45,6 +46,7 @@ def train(world_size=2, backend="gloo", timeout=900, env=None, view="auto", spee
     else:
         train_module.make_config(**settings)
         run = train_module.run
+    data.download_if_missing(settings.get("data"))   # here: the ranks' own network has no way out
     view = PlotView() if view == "plot" or (view == "auto" and in_notebook()) else TextView()
     metrics = MetricsFilter(sys.stdout, view.update)
     try:

@@ -29,15 +29,14 @@ import signal
 import socket
 import sys
 import time
-from datetime import timedelta
 
 import psutil
-import torch.distributed as dist
 import torch.multiprocessing
 
-from . import forkserver, machine
+from . import forkserver, machine, private_net
 from .rank_io import MARK
 from .run_dirs import new_run_dir, process_alive, release_run_dir
+from .store_host import Rendezvous, StoreHost  # noqa: F401 (Rendezvous: used from here elsewhere)
 from .worker import (error_file, no_group_file, omp_threads, rendezvous_file, result_file, stderr_pipe,
                      stdout_pipe)
 
@@ -63,7 +62,8 @@ class Supervisor:
         try:
             self.run_dir = new_run_dir()
             self._resources.callback(release_run_dir, self.run_dir)
-            self.store = self._resources.enter_context(Rendezvous())
+            self.store = self._resources.enter_context(StoreHost(os.path.join(self.run_dir, "store.log")))
+            _say_once_if_not_private(self.store.private)
             self._resources.callback(remove_scratch, self.run_dir, world_size)
             self.output = OutputPump(self.run_dir, world_size, quiet)
             self._resources.callback(self.output.close)
@@ -71,12 +71,13 @@ class Supervisor:
             self._resources.close()
             raise
         self.port = self.store.port
+        self.private_network = self.store.private is None   # see private_net
         self.env = {**env, "MASTER_PORT": str(self.port)}
 
     def start(self, target, args):
         """Start the ranks: `target(local_rank, *args)` in each."""
         forkserver.start()   # unless it runs already (started by an earlier launch or by `import ddp_helpers`)
-        with _main_script_not_rerun():
+        with main_script_not_rerun():
             self._context = torch.multiprocessing.start_processes(
                 target, args=args, nprocs=self.world_size, join=False, start_method=forkserver.start_method())
         self.processes = self._context.processes
@@ -213,7 +214,7 @@ def _signal_all(processes, how):
 
 
 @contextlib.contextmanager
-def _main_script_not_rerun():
+def main_script_not_rerun():
     """multiprocessing re-runs the main script in every new process (as `__mp_main__`), so that the
     functions it pickled by name can be found there. A rank needs none of it: the function and
     everything it uses travel by value. So a script that calls `launch` without the
@@ -232,6 +233,18 @@ def _main_script_not_rerun():
         yield
     finally:
         multiprocessing.spawn.get_preparation_data = real
+
+
+_said = []
+
+
+def _say_once_if_not_private(reason):
+    """One line at the first launch where the ranks could not get a network of their own."""
+    if reason is None or reason == f"{private_net.SWITCH}=0" or _said:
+        return
+    _said.append(reason)
+    print(f"ddp_helpers: the ranks use this machine's network ({reason}): other local users can "
+          "connect to their ports (README: For instructors)", flush=True)
 
 
 def interrupted(message):
@@ -299,35 +312,13 @@ def worker_env(world_size, master_port, extra_env=None):
     return env
 
 
-class Rendezvous:
-    """A TCPStore served by this process on 127.0.0.1, on a port the OS picks.
-
-    We bind the socket ourselves and hand it to the store: TCPStore alone would
-    listen on every interface, and asking for a free port first, then binding it
-    later, leaves a window in which another program can take it.
-    """
-
-    def __enter__(self):
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        try:
-            self._sock.bind(("127.0.0.1", 0))
-            self._sock.listen(128)
-            self.port = self._sock.getsockname()[1]
-            self.store = dist.TCPStore("127.0.0.1", self.port, is_master=True, wait_for_workers=False,
-                                       master_listen_fd=self._sock.fileno(), timeout=timedelta(seconds=30))
-        except BaseException:
-            self._sock.close()
-            raise
-        self._sock.detach()  # the store owns the socket now and closes it when deleted
-        return self
-
-    def __exit__(self, *exc):
-        del self.store  # stops the server and closes its socket: the port is free again
-        return False
-
-
 # ------------------------------------------------------------------- output
 _LINE_ENDS = re.compile(rb"(\r\n|\r|\n)")
+# In the ranks' private network no DNS server answers, so c10d's reverse lookup of a socket's own
+# loopback address (as "::ffff:127.0.0.1") fails "temporarily" (EAI_AGAIN), and it warns on every
+# connection. Harmless (it then uses the number): kept in the log, not shown in the cell.
+_UNANSWERABLE_LOOKUP = re.compile(r"socket\.cpp:\d+\] \[c10d\] The hostname of the client socket cannot "
+                                  r"be retrieved\. err=-3\n?$")
 
 
 class OutputPump:
@@ -402,7 +393,7 @@ class OutputPump:
     def _take(self, stream, pieces, printed):
         for shown, logged in pieces:
             self.logs[stream.rank].write(logged)
-            if not shown:
+            if not shown or (isinstance(shown, str) and _UNANSWERABLE_LOOKUP.search(shown)):
                 continue
             owner = self._open_line[stream.dest]
             if owner is not None and isinstance(shown, _Display):

@@ -37,7 +37,6 @@ DDP_HELPERS_TUTORIAL_CODE=0:
 """
 import functools
 import inspect
-import multiprocessing
 import os
 import sys
 import urllib.parse

@@ -92,14 +92,18 @@ def pid_alive(pid):
 
 
 def listening_ports():
-    """Ports on which something on this machine listens (IPv4 and IPv6)."""
+    """Ports on which something listens (IPv4 and IPv6), here and in the ranks' own network: the
+    fork server every rank comes from lives in it (private_net), so its /proc/PID/net shows it."""
+    import multiprocessing.forkserver
     ports = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            for row in f.readlines()[1:]:
-                cols = row.split()
-                if cols[3] == "0A":  # LISTEN
-                    ports.add(int(cols[1].rsplit(":", 1)[1], 16))
+    server = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None)
+    for where in ["self"] + ([str(server)] if server else []):
+        for table in (f"/proc/{where}/net/tcp", f"/proc/{where}/net/tcp6"):
+            with open(table) as f:
+                for row in f.readlines()[1:]:
+                    cols = row.split()
+                    if cols[3] == "0A":  # LISTEN
+                        ports.add(int(cols[1].rsplit(":", 1)[1], 16))
     return ports
 
 
