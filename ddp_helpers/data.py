@@ -19,6 +19,7 @@ import functools
 import hashlib
 import os
 import socket
+import tempfile
 import threading
 import urllib.parse
 from typing import NamedTuple
@@ -178,14 +179,20 @@ def _cache_file(folder, split, samples):
 
 
 def _save_atomically(obj, path):
-    """Write to a temporary name, then rename: a reader never sees half a file."""
+    """Write to a temporary name, then rename: a reader never sees half a file. Only the owner can
+    read it (a new folder 0700, the file 0600), as with every file ddp_helpers writes."""
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        torch.save(obj, tmp)
-        os.replace(tmp, path)
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        handle, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=os.path.dirname(path))  # 0600
     except OSError:  # a read-only home: no cache, decode every time
-        pass
+        return
+    try:
+        with os.fdopen(handle, "wb") as f:
+            torch.save(obj, f)
+        os.replace(tmp, path)
+    except OSError:  # a full disk: no cache, and no half file left behind
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
 
 
 # ------------------------------------------------------------ torchvision's copy

@@ -10,9 +10,11 @@ How it works, and why:
   copies of a fresh process that imported torch once, never forks of the kernel.
 - `fn` may be defined in the notebook: it travels by value, with cloudpickle, with
   the source of the cells it was written in (for tracebacks).
-- The launcher hosts the rendezvous store (a `TCPStore` on 127.0.0.1, on a port
-  the OS picks), as torchrun's agent does, and gives each worker the
-  environment torchrun would give it. No fixed port, so re-runs never clash.
+- The launcher starts the rendezvous store (a `TCPStore` on 127.0.0.1, on a port
+  the OS picks) beside the ranks, as torchrun's agent hosts one, and gives each
+  worker the environment torchrun would give it. No fixed port, so re-runs never
+  clash. On Linux the ranks and the store share a network of their own, which
+  nobody else on the machine can reach (`private_net`).
 - Each rank's stdout and stderr come back through a pipe and are printed
   line by line as `[rank N] ...`; a full log per rank stays in the run folder.
 - Errors, crashes, hangs and the Interrupt button all end every worker (and what

@@ -13,8 +13,9 @@ Why it is built this way:
 - Workers are forked from the *forkserver*: a fresh Python process (never a fork of the
   notebook kernel, which may have touched CUDA) that imports torch once; forking a copy of it
   is cheap, where spawn would import torch anew in every worker.
-- The supervisor hosts the rendezvous store (a `TCPStore` on 127.0.0.1, on a port the OS
-  picks), as torchrun's agent does, and gives each worker the environment torchrun would give.
+- The supervisor starts the rendezvous store (a `TCPStore` on 127.0.0.1, on a port the OS
+  picks) in a process beside the ranks (`store_host`), in their private network (`private_net`),
+  as torchrun's agent hosts one, and gives each worker the environment torchrun would give.
 - Each rank's stdout and stderr come back through named pipes in the run folder; a full log
   per rank stays there.
 """

@@ -53,6 +53,16 @@ def test_folder_copy_whole_test_split_and_root_argument(monkeypatch):
     assert torch.equal(again.images, test.images)
 
 
+@needs_mini
+def test_the_tensor_cache_is_readable_by_its_owner_only(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    data.load_cifar10(train=False, root=MINI, per_class=2)
+    folder = tmp_path / "ddp_helpers" / "tensors"
+    files = list(folder.iterdir())
+    assert len(files) == 1 and not files[0].name.startswith("."), files   # no temporary file left
+    assert (folder.stat().st_mode & 0o777, files[0].stat().st_mode & 0o777) == (0o700, 0o600)
+
+
 def write_fake_torchvision_cifar(root, train_n=20, test_n=10):
     """cifar-10-batches-py as torchvision writes it, with tiny random batches. Returns
     (train images NHWC, train labels, test images, test labels)."""
