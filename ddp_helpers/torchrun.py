@@ -63,10 +63,18 @@ def plain(log):
 
 def private_network_available():
     """True where `unshare -rn` can give us a network namespace with only loopback in it."""
-    if shutil.which("unshare") is None or shutil.which("ip") is None:
+    if shutil.which("unshare") is None:
         return False
-    probe = subprocess.run(["unshare", "-rn", "ip", "link", "set", "lo", "up"], capture_output=True)
+    probe = subprocess.run(["unshare", "-rn", *loopback_up_command()], capture_output=True)
     return probe.returncode == 0
+
+
+def loopback_up_command():
+    """`ip link set lo up` (a new namespace's loopback starts down), without needing `ip`: Python
+    makes the same ioctl (`private_net.loopback_up`, a module of the standard library alone)."""
+    folder = os.path.dirname(os.path.abspath(__file__))
+    return [sys.executable, "-c", f"import sys; sys.path.insert(0, {folder!r}); "
+                                  "import private_net; private_net.loopback_up()"]
 
 
 def torchrun_args(nnodes, nproc_per_node, endpoint, max_restarts=0, run_id="notebook", standalone=False):
@@ -99,7 +107,7 @@ def run_nodes(program, nnodes=2, nproc_per_node=2, max_restarts=0, timeout=180, 
     codes = [os.path.join(logdir, f"node{n}.code") for n in range(nnodes)]
     # One shell starts every agent (so they share the namespace) and records each exit code.
     # A watchdog ends them all (SIGTERM: each agent then stops its workers) if we die.
-    lines = ["ip link set lo up" if private else ":",
+    lines = [shlex.join(loopback_up_command()) if private else ":",
              f"(while kill -0 {os.getpid()} 2>/dev/null; do sleep 1; done; kill -TERM 0) & watchdog=$!",
              "agents="]
     for n in range(nnodes):

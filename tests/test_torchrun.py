@@ -7,6 +7,7 @@ tests skip rather than open ports on the machine.
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -202,3 +203,17 @@ def test_plain_takes_off_torchrun_log_prefixes():
     result = torchrun.NodesResult([0], [log], True, torchrun.torchrun_args(1, 2, "", standalone=True) + ["-m", "x"])
     assert result.ok and result.torchrun == ("torchrun --standalone --nproc-per-node=2 --max-restarts=0 "
                                              "--monitor-interval=0.5 -m x")
+
+
+def test_the_agents_private_network_needs_no_ip_command(tmp_path, monkeypatch):
+    # before: without `ip` (the GPU image has none) the agents ran on the machine's own network
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-rn", "true"]).returncode != 0:
+        pytest.skip("needs `unshare -rn` (a private network namespace)")
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    for tool in ("unshare", "sh", "sleep"):
+        (tools / tool).symlink_to(shutil.which(tool))
+    monkeypatch.setenv("PATH", str(tools))   # everything the agents need, and no `ip`
+    assert torchrun.private_network_available()
+    out = torchrun.run_nodes(["-m", "ddp_helpers.env_report"], nnodes=1, nproc_per_node=1, timeout=seconds(60))
+    assert out.ok and out.private_network, out.logs
