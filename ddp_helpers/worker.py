@@ -18,6 +18,7 @@ A warm pool's workers run `serve.serve` instead, which shares steps 1-3 and 6.
 import ast
 import dataclasses
 import faulthandler
+import io
 import linecache
 import multiprocessing
 import os
@@ -26,6 +27,7 @@ import select
 import signal
 import sys
 import threading
+import tokenize
 import traceback
 from datetime import timedelta
 
@@ -191,9 +193,23 @@ def exec_cell(source, namespace, filename):
         exec(compile(tree, filename, "exec"), namespace)
         if last is None:
             return None
-        return rank_io.last_value(to_cpu(eval(compile(ast.Expression(last.value), filename, "eval"), namespace)))
+        value = eval(compile(ast.Expression(last.value), filename, "eval"), namespace)
+        if _ends_with_semicolon(source):   # as in IPython: a trailing `;` hides the value
+            return None
+        return rank_io.last_value(to_cpu(value))
     finally:
         rank_io.show_figures()
+
+
+def _ends_with_semicolon(source):
+    """Whether the cell's last token (comments and blank lines aside) is `;`."""
+    try:
+        tokens = [t for t in tokenize.generate_tokens(io.StringIO(source).readline)
+                  if t.type not in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.ENDMARKER,
+                                    tokenize.INDENT, tokenize.DEDENT)]
+    except (tokenize.TokenError, SyntaxError):
+        return False
+    return bool(tokens) and tokens[-1].string == ";"
 
 
 def run_cell(source, sent_globals, filename):

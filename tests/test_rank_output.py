@@ -177,3 +177,10 @@ def test_a_display_line_after_unfinished_text_or_a_progress_line():
     assert isinstance(pieces[0][0], _Display) and pieces[0][0].data["image/png"] == "AAA"
     assert pieces[1][0] == "[rank 0] asked: \n", "text before a display keeps its own line"
     assert isinstance(pieces[2][0], _Display) and pieces[2][1] == b"[display: text/plain, image/png]\n"
+
+
+def test_a_trailing_semicolon_hides_the_cells_value_as_in_ipython():
+    from ddp_helpers.worker import exec_cell
+    assert exec_cell("x = 3\nx;  # hidden\n", {}, "<semicolon-1>") is None
+    assert exec_cell("x = 3\nx", {}, "<semicolon-2>") == 3
+    assert exec_cell("s = 'a;'\ns", {}, "<semicolon-3>") == "a;"
