@@ -72,3 +72,26 @@ def test_torchrun_agent_gives_workers_async_error_handling_1():
     source = inspect.getsource(local_elastic_agent)
     assert re.search(r'"TORCH_NCCL_ASYNC_ERROR_HANDLING": os\.getenv\(\s*"TORCH_NCCL_ASYNC_ERROR_HANDLING",'
                      r"\s*str\(1\)\s*\)", source)
+
+
+def ddp_in_a_world_of_one(module, **options):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        return DDP(module, **options)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_sends_rank_0s_buffers_by_default_under_its_torch_2_13_name():
+    # Notebook 05: DDP broadcasts rank 0's buffers before forward by default; the argument is
+    # forward_sync_buffers since torch 2.13, and broadcast_buffers (2.11 has only it) warns.
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    new = "forward_sync_buffers" in inspect.signature(DDP).parameters
+    assert new == (torch_version() >= (2, 13))
+    model = ddp_in_a_world_of_one(torch.nn.BatchNorm1d(2))
+    assert model.broadcast_buffers is True and getattr(model, "forward_sync_buffers", True) is True
+    if new:
+        assert ".. deprecated:: 2.13" in inspect.getsource(DDP)
+        with pytest.warns(FutureWarning, match="`broadcast_buffers` is deprecated"):
+            ddp_in_a_world_of_one(torch.nn.BatchNorm1d(2), broadcast_buffers=False)

@@ -63,7 +63,8 @@ class Speedups(train.Plain):
                          "2 also with the image shifted by a pixel up-left and down-right")
     # DDP and the step
     bucket_cap_mb: float = option(25.0, "DDP: gradients are all-reduced in buckets of about this many MB")
-    broadcast_buffers: bool = option(True, "DDP: send rank 0's buffers (BatchNorm statistics) before every forward")
+    broadcast_buffers: bool = option(True, "DDP: send rank 0's buffers (BatchNorm statistics) before every forward "
+                                           "(DDP's forward_sync_buffers; broadcast_buffers before torch 2.13)")
     batched_grad_copy: bool = option(True, "DDP: copy a bucket's gradients in one go (PyTorch 2.12+)")
     comm_hook: str = option("none", "DDP: none, or bf16 (gradients travel as bfloat16: half the bytes)")
     cuda_graph: bool = option(False, "GPU: record a step's forward and backward once as a CUDA graph and "
@@ -187,8 +188,11 @@ def param_groups(model, lr, weight_decay, norm_bias_lr):
 def version_dependent_ddp_options(speedups):
     """DDP arguments whose spelling or existence depends on the installed PyTorch.
 
-    - Broadcasting rank 0's buffers before every forward: on by default; torch 2.14 renamed the
-      argument from broadcast_buffers to forward_sync_buffers (and warns about the old name).
+    - Broadcasting rank 0's buffers before every forward: on by default; torch 2.13 renamed the
+      argument from broadcast_buffers to forward_sync_buffers (the old name warns; torch 2.11 has
+      only it). One difference: broadcast_buffers=False also skips the buffers' broadcast when DDP
+      wraps the model, forward_sync_buffers=False does not (here every rank builds the same
+      buffers, so both start equal).
     - batched_grad_copy (torch 2.12+): DDP's autograd hooks copy each new gradient into its bucket,
       one small kernel per parameter (62 for ResNet-18). With it, the copies of a bucket wait until
       the bucket is full and run as one foreach copy and one division: fewer, larger kernels.
