@@ -160,17 +160,26 @@ class Pool:
         if self._stopped:
             raise RuntimeError("this pool was stopped; start a new one (%ddp start)")
         timeout = check_timeout(timeout)
-        message = _message(request)
+        try:
+            message = _message(request)
+        except KeyboardInterrupt:   # still pickling it (a big push): nothing was sent
+            raise interrupted("nothing was sent to the ranks; they keep their variables.") from None
         self._replace_dead_ranks()
         if self._ranks is None:
             self._start()
             _notice(f"started {self.world_size} new ranks ({self.backend}); their variables are empty.")
         ranks = list(range(self.world_size)) if ranks is None else ranks
-        for r in ranks:
-            try:
-                self._conns[r].send_bytes(message)
-            except OSError:
-                break   # a rank died just now: _collect reports it
+        try:
+            for r in ranks:
+                try:
+                    self._conns[r].send_bytes(message)
+                except OSError:
+                    break   # a rank died just now: _collect reports it
+        except KeyboardInterrupt:
+            # Part of a message may have gone (a big push takes a while): that rank waits for the
+            # rest, and the others for what they never got. As after an interrupted cell: new ranks.
+            self._discard()
+            raise interrupted(f"the ranks were stopped while the request was being sent; {RESET}.") from None
         return self._collect(timeout, what="cell", ranks=ranks)
 
     def _replace_dead_ranks(self):
@@ -216,6 +225,8 @@ class Pool:
             self._give_up_timeout(detail, timeout)
         supervisor.output.drain()
         supervisor.output.end_lines()   # a prompt or an unfinished line belongs to this cell
+        if any(reply[3] for reply in replies.values()):
+            supervisor.note_started_processes()   # ended with the pool, even if their rank dies
         errors = sorted(r for r, reply in replies.items() if reply[0] == "error")
         if not all(reply[2] for reply in replies.values()):
             self._discard()

@@ -6,11 +6,19 @@
 says "ok" on its connection, and then answers the kernel's requests one at a time: run a cell
 (on every rank, or on some: `rank_io.only_ranks`), call a function, set or read a variable, stop.
 
-Each answer is (kind, value, group_alive): kind "ok" with the pickled value, or "error" with
-`worker.describe_exception`'s record; group_alive is False once a cell destroyed the process group
-(the kernel then replaces the ranks).
+Each answer is (kind, value, group_alive, has_children): kind "ok" with the pickled value, or
+"error" with `worker.describe_exception`'s record; group_alive is False once a cell destroyed the
+process group (the kernel then replaces the ranks); has_children says whether this rank has child
+processes (one system call), so that the kernel looks for what the ranks started only then, not
+after every cell (`Supervisor.note_started_processes`).
+
+A cell may fork (`os.fork()`): the child shares this rank's connection to the kernel, and would
+answer for the rank when it reaches the end of the cell (or is interrupted there). So the child
+closes its copy of the connection as it starts, and ends instead of answering.
 """
+import contextlib
 import linecache
+import os
 import pickle
 import signal
 import sys
@@ -33,12 +41,14 @@ def serve(local_rank, job, connections):
     # Idle workers ignore Ctrl-C / Jupyter's Interrupt (sent to the kernel's whole process
     # group); only a running cell may be interrupted.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    me = os.getpid()
+    os.register_at_fork(after_in_child=lambda: _forget(conn))
     try:
         setup_worker_process(local_rank, job)
         init_process_group(job.backend, local_rank, job.pg_timeout_s)
-        conn.send(("ok", dumps(rank_io.collectives_visible()), True))   # for %%ddp --ranks
+        conn.send(("ok", dumps(rank_io.collectives_visible()), True, False))   # for %%ddp --ranks
     except BaseException as exc:
-        conn.send(("error", describe_exception(exc), dist.is_initialized()))
+        conn.send(("error", describe_exception(exc), dist.is_initialized(), False))
         end_worker()
         return
     state = _RankState()
@@ -57,13 +67,34 @@ def serve(local_rank, job, connections):
         except BaseException as exc:
             reply = ("error", describe_exception(exc))
         finally:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            if os.getpid() == me:
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
             sys.stdout.flush()
             sys.stderr.flush()
-        conn.send(reply + (dist.is_initialized(),))
+        if os.getpid() != me:   # a child the cell forked, at the end of the cell: never answer
+            os._exit(0 if reply[0] == "ok" else 1)
+        conn.send(reply + (dist.is_initialized(), _has_children()))
     if dist.is_initialized():
         dist.destroy_process_group()
     end_worker()
+
+
+def _forget(conn):
+    """In a child forked by a cell: close this process's copy of the rank's connection (the rank's
+    own stays open), so that the child can neither read the rank's requests nor answer them."""
+    with contextlib.suppress(OSError):
+        conn.close()
+
+
+def _has_children():
+    """Whether this process has child processes (running, or exited and not yet waited for)."""
+    if not hasattr(os, "waitid"):
+        return True   # cannot tell cheaply: let the kernel look
+    try:
+        os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return False
+    return True
 
 
 class _RankState:

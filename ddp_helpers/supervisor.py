@@ -98,6 +98,9 @@ class Supervisor:
         """
         pending = dict(replies) if replies is not None else None
         closed = set()   # ranks whose connection ended: their exit is about to show
+        # what the ranks started is noted while they run, from half a second on: a quick cell of a
+        # warm pool costs no scan (its ranks say when they have children: note_started_processes)
+        self._next_look = time.monotonic() + LOOK_AT_CHILDREN_S
         while True:
             self._note_started_processes()
             exited = {r: p.exitcode for r, p in enumerate(self.processes) if p.exitcode is not None}
@@ -113,7 +116,6 @@ class Supervisor:
             unfinished = (sorted(pending) if pending is not None
                           else [r for r in range(self.world_size) if r not in exited])
             if not unfinished:
-                self._note_started_processes(now=True)   # a pool's ranks live on after this cell
                 return "done", None
             left = deadline - time.monotonic()
             if left <= 0:
@@ -136,11 +138,17 @@ class Supervisor:
                 if earlier is not None:
                     deadline = min(deadline, earlier)
 
+    def note_started_processes(self):
+        """Note now what the running ranks started (a warm pool's rank that says it has children,
+        after a cell): psutil reads every process on the machine to find them."""
+        self._note_started_processes(now=True)
+
     def _note_started_processes(self, now=False):
         """Remember the processes the running ranks started (and what those started). A rank ends
         them itself when it finishes, but a rank that dies by a signal or os._exit cannot, and its
         orphans are no longer anybody's children we could ask for: stop() ends the ones noted here.
-        (psutil.Process knows its start time, so a PID used again later is never signalled.)"""
+        (psutil.Process knows its start time, so a PID used again later is never signalled.)
+        Unless `now`, at most every LOOK_AT_CHILDREN_S."""
         if not now and time.monotonic() < self._next_look:
             return
         self._next_look = time.monotonic() + LOOK_AT_CHILDREN_S

@@ -10,7 +10,10 @@
 4. optionally calls `init_process_group`, runs the user's function, and
    calls `destroy_process_group`;
 5. writes the return value, or the exception with its traceback, to a file in
-   the run folder for the launcher to read: an error in steps 1-3 too;
+   the run folder for the launcher to read: an error in steps 1-3 too. A function
+   that returns while threads it started still run (not daemon threads: Python
+   waits for those before the process may exit) is an error that names them
+   (ThreadsLeftRunning), THREADS_GRACE_S later, rather than a rank that never ends;
 6. ends any process the function started and left running.
 
 A warm pool's workers run `serve.serve` instead, which shares steps 1-3 and 6.
@@ -27,6 +30,7 @@ import select
 import signal
 import sys
 import threading
+import time
 import tokenize
 import traceback
 from datetime import timedelta
@@ -39,6 +43,9 @@ import torch.distributed as dist
 from . import tutorials
 from . import rank_io
 from .run_dirs import process_alive
+
+
+THREADS_GRACE_S = 2.0   # how long a rank waits for the threads its function left running
 
 
 @dataclasses.dataclass
@@ -92,6 +99,11 @@ def run_worker(local_rank, job):
         else:
             joined = _note_joining()
         result = fn(*args, **kwargs)
+        left = threads_left_running()
+        if left:   # Python would wait for them before this process may exit: forever, maybe
+            report_error(job.run_dir, rank, ThreadsLeftRunning(left))
+            end_worker()
+            os._exit(1)
         if job.init and dist.is_initialized():
             dist.destroy_process_group()
         if not job.init and not joined:
@@ -99,9 +111,33 @@ def run_worker(local_rank, job):
         _write_atomically(result_file(job.run_dir, rank), cloudpickle.dumps(to_cpu(result)))
     except BaseException as exc:  # KeyboardInterrupt and SystemExit too: the launcher must hear of them
         report_error(job.run_dir, rank, exc)
+        if threads_left_running(grace_s=0):   # Python would wait for them before exiting
+            end_worker()
+            os._exit(1)
         sys.exit(1)
     finally:
         end_worker()
+
+
+class ThreadsLeftRunning(RuntimeError):
+    """The launched function returned while threads it started (not daemon threads) still ran."""
+
+    def __init__(self, threads):
+        names = ", ".join(repr(t.name) for t in threads)
+        super().__init__(
+            f"the function returned while its threads still run: {names}. The rank cannot exit until "
+            f"they end; join them before returning (thread.join()), or start them with daemon=True")
+
+
+def threads_left_running(grace_s=THREADS_GRACE_S):
+    """Non-daemon threads other than the main one that are still alive `grace_s` after the call
+    returned (Python waits for them before the process may exit)."""
+    deadline = time.monotonic() + grace_s
+    main = threading.main_thread()
+    for thread in threading.enumerate():
+        if thread is not main and not thread.daemon:
+            thread.join(max(0.0, deadline - time.monotonic()))
+    return [t for t in threading.enumerate() if t is not main and not t.daemon and t.is_alive()]
 
 
 def report_error(run_dir, rank, exc):
