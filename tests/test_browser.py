@@ -506,3 +506,18 @@ def test_every_site_page_loads_without_console_errors_and_shows_its_images(brows
     finally:
         context.close()
     assert not problems, "\n".join(problems)
+
+
+def test_site_text_is_shown_as_written(browser, site):
+    # No typographic replacement: "--allow-root" outside backticks became an en dash (the copied
+    # command failed), and ASCII quotes after Chinese text became two closing quotes.
+    page = browser.new_page()
+    try:
+        page.goto(f"{site}/index.html", wait_until="load")
+        text = page.inner_text("body")
+        assert "--allow-root" in text and "–allow-root" not in text and "—allow-root" not in text
+        page.goto(f"{site}/notebooks/glossary.html", wait_until="load")
+        text = page.inner_text("body")
+        assert "“常不译”" in text and "”常不译”" not in text
+    finally:
+        page.close()
