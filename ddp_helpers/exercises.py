@@ -578,30 +578,79 @@ _STEP_CASES = [(10_000, 128, 1), (10_000, 128, 2), (998, 111, 3), (50_000, 256, 
                (1_000, 64, 2), (11, 3, 4)]   # 500/64 = 7.8: rounding is not the rule; 11 on 4 ranks: padding
 
 
-def check_steps_per_epoch(fn):
-    """Notebook 06: `fn(n_images, batch_per_rank, world_size)` is the number of training steps
-    per epoch each rank takes with DistributedSampler and DeviceLoader (train=True)."""
-    from .data import DeviceLoader, Split
-    import torch
-    problems = []
-    for n, batch, world_size in _STEP_CASES:
-        split = Split(torch.zeros(n, 1, 1, 1, dtype=torch.uint8), torch.zeros(n, dtype=torch.int64))
-        want = len(DeviceLoader(split, batch, train=True, rank=0, world_size=world_size))
+STEPS_TIMEOUT_S = 20   # the learner's steps_per_epoch is arithmetic: this is an endless loop
+
+
+def _steps_in_rank(fn, cases):
+    """Inside a rank, a fresh process that nothing the notebook patched reaches: first the expected
+    steps per epoch of every case, from torch's DataLoader over a DistributedSampler as notebook 06
+    builds them (drop_last=True), before any learner code runs; then fn for each case. Returns
+    [(want, what fn did)]: ("int", steps), ("other", repr, type name) or ("raised", type, message),
+    or None when fn is still the stub."""
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+    wants = []
+    for n, batch, world_size in cases:
+        images = TensorDataset(torch.zeros(n, 1, dtype=torch.uint8))
+        sampler = DistributedSampler(images, num_replicas=world_size, rank=0, shuffle=True, seed=0)
+        wants.append(len(DataLoader(images, batch, sampler=sampler, drop_last=True)))
+    found = []
+    for (n, batch, world_size), want in zip(cases, wants):
         try:
             got = fn(n, batch, world_size)
         except NotImplementedError:
-            return Verdict("steps_per_epoch", [f"{fn.__name__} still raises NotImplementedError: fill in the stub"])
+            return None
+        except (Exception, SystemExit) as exc:
+            found.append((want, ("raised", type(exc).__name__, str(exc)[:200])))
+            continue
+        if isinstance(got, int) and not isinstance(got, bool):
+            found.append((want, ("int", int(got))))
+        else:
+            found.append((want, ("other", repr(got)[:100], type(got).__name__)))
+    return found
+
+
+def check_steps_per_epoch(fn):
+    """Notebook 06: `fn(n_images, batch_per_rank, world_size)` is the number of training steps
+    per epoch each rank takes with DistributedSampler and DataLoader(..., drop_last=True).
+
+    fn runs in a rank of its own (one `launch`, at most STEPS_TIMEOUT_S): an endless loop, sys.exit
+    or a crash is a verdict, and what fn patches stays there. The expected values come from torch's
+    DataLoader and DistributedSampler, in that rank, before fn runs."""
+    title = "steps_per_epoch"
+    name = getattr(fn, "__name__", "the function")
+    if not callable(fn):
+        return Verdict(title, [f"expected a function steps_per_epoch(n_images, batch_per_rank, world_size), "
+                               f"got {type(fn).__name__}"])
+    try:
+        found = launch(_steps_in_rank, 1, args=(fn, _STEP_CASES), timeout=STEPS_TIMEOUT_S, init=False,
+                       quiet=True)[0]
+    except WorkerTimeout:
+        return Verdict(title, [f"{name} did not return within {STEPS_TIMEOUT_S:g} s (an endless loop?)"])
+    except WorkerError as err:
+        return Verdict(title, [f"{name} ended its process: {str(err).splitlines()[0][:300]}"])
+    except Exception as err:   # fn could not be sent to a rank (pickling)
+        return Verdict(title, [f"could not run {name}: {type(err).__name__}: {str(err)[:300]}"])
+    if found is None:
+        return Verdict(title, [f"{name} still raises NotImplementedError: fill in the stub"])
+    problems = []
+    for (n, batch, world_size), (want, (kind, *what)) in zip(_STEP_CASES, found):
         label = f"{n} images, {batch} per rank, {world_size} ranks"
-        if not isinstance(got, int) or isinstance(got, bool):
-            problems.append(f"{label}: expected a whole number of steps (an int), got {got!r} "
-                            f"({type(got).__name__}): use // for whole divisions")
-        elif got != want:
+        if kind == "raised":
+            exc_type, message = what
+            exit_hint = ": return the number instead of ending the program" if exc_type == "SystemExit" else ""
+            problems.append(f"{label}: {name} raised {exc_type}: {message}{exit_hint}")
+        elif kind == "other":
+            shown, type_name = what
+            problems.append(f"{label}: expected a whole number of steps (an int), got {shown} "
+                            f"({type_name}): use // for whole divisions")
+        elif what[0] != want:
+            got = what[0]
             per_rank = -(-n // world_size)
             hint = ("; each rank gets ceil(n / world_size) = "
                     f"{per_rank} images (DistributedSampler pads), and the last incomplete batch is dropped"
                     if got in (round(n / world_size / batch), n // world_size // batch, -(-per_rank // batch)) else "")
             problems.append(f"{label}: expected {want} steps, got {got!r}{hint}")
-    return Verdict("steps_per_epoch", problems)
+    return Verdict(title, problems)
 
 
 def _torchrun_config_problems(run, args):

@@ -474,3 +474,49 @@ def test_fp16_compress_hook_checker_names_each_wrong_answer():
     stub = exercises.check_fp16_compress_hook(fp16_hook_stub)
     assert stub.problems == ["fp16_hook_stub still raises NotImplementedError: fill in the stub"]
     assert "expected a function" in repr(exercises.check_fp16_compress_hook(None))
+
+
+def exits(n, b, w):
+    import sys
+    sys.exit(3)
+
+
+def patches_the_loaders_and_answers_0(n, b, w):
+    import torch.utils.data
+    from ddp_helpers import data
+    torch.utils.data.DataLoader.__len__ = lambda self: 0
+    data.DeviceLoader.__len__ = lambda self: 0
+    return 0
+
+
+def test_steps_per_epoch_checker_survives_exits_and_patches(monkeypatch):
+    """The learner's function runs in a rank: sys.exit is a verdict, and neither the kernel's patches
+    of the loaders nor the function's own change the expected values or stay in the kernel."""
+    import torch.utils.data
+    from ddp_helpers import data
+    exited = exercises.check_steps_per_epoch(exits)
+    assert not exited and "10000 images, 128 per rank, 1 ranks: exits raised SystemExit: 3" in repr(exited)
+    loader_len, device_len = torch.utils.data.DataLoader.__len__, data.DeviceLoader.__len__
+    monkeypatch.setattr(torch.utils.data.DataLoader, "__len__", lambda self: 0)   # in the kernel
+    monkeypatch.setattr(data.DeviceLoader, "__len__", lambda self: 0)
+    zero = exercises.check_steps_per_epoch(patches_the_loaders_and_answers_0)
+    assert not zero and "10000 images, 128 per rank, 2 ranks: expected 39 steps, got 0" in repr(zero), repr(zero)
+    monkeypatch.undo()
+    assert (torch.utils.data.DataLoader.__len__, data.DeviceLoader.__len__) == (loader_len, device_len)
+    raises = exercises.check_steps_per_epoch(lambda n, b, w: n // 0)
+    assert not raises and "raised ZeroDivisionError" in repr(raises)
+
+
+def test_steps_per_epoch_checker_has_a_time_limit(monkeypatch):
+    from conftest import seconds
+    monkeypatch.setattr(exercises, "STEPS_TIMEOUT_S", seconds(1), raising=False)
+
+    def slow(n, b, w, pause=seconds(2)):
+        import time
+        time.sleep(pause)
+        return -(-n // w) // b
+
+    start = time.monotonic()
+    verdict = exercises.check_steps_per_epoch(slow)
+    assert time.monotonic() - start < seconds(5)
+    assert not verdict and f"slow did not return within {seconds(1):g} s" in repr(verdict), repr(verdict)
