@@ -66,7 +66,7 @@ def test_a_rendezvous_that_cannot_complete_is_named_as_one():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with pytest.raises(WorkerTimeout) as caught:
-        launch(init_with, 2, init=False, timeout=5, quiet=True,
+        launch(init_with, 2, init=False, timeout=seconds(4), quiet=True,   # long enough to reach init
                kwargs={"init_method": f"tcp://127.0.0.1:{port}", "rank": 1, "world_size": 2})
     message = str(caught.value)
     assert "were still in init_process_group, waiting for the rendezvous at " \
