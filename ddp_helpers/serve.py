@@ -29,7 +29,7 @@ import torch.distributed as dist
 from . import rank_io
 from .cells import dumps
 from .worker import (describe_exception, end_worker, exec_cell, init_process_group, rank_namespace,
-                     setup_worker_process, to_cpu)
+                     setup_worker_process, threads_left_running, to_cpu)
 
 
 def serve(local_rank, job, connections):
@@ -77,6 +77,8 @@ def serve(local_rank, job, connections):
     if dist.is_initialized():
         dist.destroy_process_group()
     end_worker()
+    if threads_left_running(grace_s=0):
+        os._exit(0)   # threads a cell left running would keep this rank from exiting (%ddp stop)
 
 
 def _forget(conn):

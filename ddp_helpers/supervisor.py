@@ -101,9 +101,16 @@ class Supervisor:
         # what the ranks started is noted while they run, from half a second on: a quick cell of a
         # warm pool costs no scan (its ranks say when they have children: note_started_processes)
         self._next_look = time.monotonic() + LOOK_AT_CHILDREN_S
+        exited = {}
+        # Whose exit status to ask for (each time a poll of the fork server's pipe): the ranks whose
+        # sentinel is ready, as an exit makes it; every one when nothing at all was ready.
+        look_at = ()
         while True:
             self._note_started_processes()
-            exited = {r: p.exitcode for r, p in enumerate(self.processes) if p.exitcode is not None}
+            for r in look_at:
+                code = self.processes[r].exitcode
+                if code is not None:
+                    exited[r] = code
             if pending is not None:
                 failed = sorted(exited)
             else:
@@ -121,9 +128,10 @@ class Supervisor:
             if left <= 0:
                 return "timeout", unfinished
             waiting = [conn for r, conn in (pending or {}).items() if r not in closed]
-            ready = multiprocessing.connection.wait(
-                waiting + self.output.fds() + [p.sentinel for p in self.processes if p.exitcode is None],
-                timeout=min(left, 0.5))
+            sentinels = {p.sentinel: r for r, p in enumerate(self.processes) if r not in exited}
+            ready = multiprocessing.connection.wait(waiting + self.output.fds() + list(sentinels),
+                                                    timeout=min(left, 0.5))
+            look_at = [sentinels[s] for s in ready if s in sentinels] if ready else list(sentinels.values())
             self.output.read([fd for fd in ready if isinstance(fd, int)])
             for rank, conn in list((pending or {}).items()):
                 if conn not in ready:

@@ -77,7 +77,7 @@ FORK = ("import os, time\npid = os.fork()\nif pid == 0:\n    time.sleep({})\n"
         "'child' if pid == 0 else pid")
 
 
-def test_a_forked_child_of_a_rank_cannot_answer_for_it():
+def test_a_forked_child_of_a_rank_cannot_answer_for_it_and_threads_do_not_hold_a_rank():
     with Pool(world_size=2) as pool:
         quick = list(pool.run_cell(FORK.format(0.2)))   # children that reach the end of the cell
         slow = list(pool.run_cell(FORK.format(600)))    # children interrupted later
@@ -89,6 +89,11 @@ def test_a_forked_child_of_a_rank_cannot_answer_for_it():
         for _ in range(3):
             assert list(pool.run_cell("'next'")) == ["next", "next"]
         assert [row["state"] for row in pool.status()] == ["idle", "idle"]
+        # a thread a cell left running does not keep a rank from leaving at %ddp stop
+        pool.run_cell("import threading, time\nthreading.Thread(target=time.sleep, args=(600,)).start()")
+        processes = list(pool._ranks.processes)
+        pool.stop()
+        assert [p.exitcode for p in processes] == [0, 0], "the ranks had to be terminated"
 
 
 def test_a_warm_cell_scans_no_processes(monkeypatch):
