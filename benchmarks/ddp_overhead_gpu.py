@@ -84,7 +84,7 @@ def parse_args(argv=None):
     data.check_folder(args.data)
     if args.quick:
         args.out = args.out or os.path.join(tempfile.gettempdir(), "ddp_overhead_gpu-quick")
-        args.steps, args.warmup_steps, args.repeats = 6, 2, 1
+        args.steps, args.warmup_steps, args.repeats = 3, 1, 1   # checks the script, measures nothing
     else:
         args.out = args.out or os.path.join(bench.REPO, "notebooks", "reference")
         if machine.gpu_count() < 2:
@@ -97,7 +97,7 @@ def main(argv=None):
     started = time.perf_counter()
     settings = dict(bench.RESNET, data=args.data, verbose=False, max_steps=args.steps, eval_every=0, device="cuda")
     if args.quick:
-        settings.update(device="cpu", cuda_graph=False, batch_size=8, log_every=1, per_class=20, test_per_class=10)
+        settings.update(device="cpu", cuda_graph=False, batch_size=4, log_every=1, per_class=20, test_per_class=10)
     backend = "gloo" if args.quick else "nccl"
     runs = {name: [] for name, _, _, _ in CASES}
     for repeat in range(args.repeats):
