@@ -73,7 +73,7 @@ def parse_args(argv=None):
         if args.fast_epochs:
             args.fast["epochs"] = args.fast_epochs
         if args.quick:  # what runs is what the JSON records
-            args.resnet.update(batch_size=8, log_every=1, cuda_graph=False)
+            args.resnet.update(batch_size=4, log_every=1, cuda_graph=False)
             args.fast.update(width=8, batch_size=50, epochs=2, cuda_graph=False)
         for chosen in (args.resnet, args.fast):  # bad values fail here, before any process starts
             speed.check(**dict(chosen, cuda_graph=chosen["cuda_graph"] and machine.gpu_count() > 0))
@@ -84,7 +84,7 @@ def parse_args(argv=None):
     data.check_folder(args.data)
     if args.quick:
         args.out = args.out or os.path.join(tempfile.gettempdir(), "ddp_cifar_gpu-quick")
-        args.steps, args.warmup_steps, args.runs, args.repeats = 6, 2, 2, 1
+        args.steps, args.warmup_steps, args.runs, args.repeats = 3, 1, 2, 1
     else:
         args.out = args.out or os.path.join(REPO, "notebooks", "reference")
         if machine.gpu_count() < args.gpus:
