@@ -131,13 +131,31 @@ class ThreadsLeftRunning(RuntimeError):
 
 def threads_left_running(grace_s=THREADS_GRACE_S):
     """Non-daemon threads other than the main one that are still alive `grace_s` after the call
-    returned (Python waits for them before the process may exit)."""
+    returned: Python would wait for them before the process may exit. As Python does at exit,
+    threading's own exit hooks run first (an idle ThreadPoolExecutor's workers then leave)."""
     deadline = time.monotonic() + grace_s
-    main = threading.main_thread()
-    for thread in threading.enumerate():
-        if thread is not main and not thread.daemon:
-            thread.join(max(0.0, deadline - time.monotonic()))
-    return [t for t in threading.enumerate() if t is not main and not t.daemon and t.is_alive()]
+
+    def others():
+        main = threading.main_thread()
+        return [t for t in threading.enumerate() if t is not main and not t.daemon and t.is_alive()]
+
+    if others() and getattr(threading, "_threading_atexits", None):
+        hooks = threading.Thread(target=_run_threading_exit_hooks, name="ddp-helpers-exit-hooks", daemon=True)
+        hooks.start()
+        hooks.join(max(0.0, deadline - time.monotonic()))
+    for thread in others():
+        thread.join(max(0.0, deadline - time.monotonic()))
+    return others()
+
+
+def _run_threading_exit_hooks():
+    """What threading._shutdown runs before it joins the threads left (concurrent.futures' hooks:
+    they tell idle executors' workers to leave). Each hook may run again at exit: they allow it."""
+    for hook in reversed(list(getattr(threading, "_threading_atexits", []))):
+        try:
+            hook()
+        except Exception:
+            pass
 
 
 def report_error(run_dir, rank, exc):

@@ -61,9 +61,19 @@ def leave_a_thread(seconds_left):
     return "returned"
 
 
+KEPT = []
+
+
+def leave_an_idle_executor():
+    from concurrent.futures import ThreadPoolExecutor
+    KEPT.append(ThreadPoolExecutor(2))   # kept, never shut down (torch.compile keeps one): Python ends it at exit
+    return KEPT[0].submit(pow, 2, 10).result()
+
+
 def test_a_function_that_returns_while_its_threads_run_is_named_within_seconds():
     # a thread that ends soon after the function returns is waited for, as Python would
     assert launch(leave_a_thread, 2, args=(0.3,), quiet=True) == ["returned", "returned"]
+    assert launch(leave_an_idle_executor, 1, quiet=True) == [1024]
     start = time.monotonic()
     with pytest.raises(WorkerError) as info:
         launch(leave_a_thread, 2, args=(600,), timeout=seconds(20), quiet=True)
