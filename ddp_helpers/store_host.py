@@ -2,9 +2,9 @@
 
 The ranks meet at a store (torch's `TCPStore`), as torchrun's workers meet at their agent's. The
 ranks live in a network of their own (`private_net`), which the notebook's kernel cannot reach, so
-the store cannot live in the kernel: `StoreHost` starts it in one more process forked from the same
-fork server as the ranks, and talks to it over a pipe. It ends with the launch (or the pool), or at
-once if the kernel goes away.
+the stores cannot live in the kernel: they live in one more process forked from the same fork server
+as the ranks, started at the first launch, to which the kernel talks over a pipe. Each launch (or
+pool) gets a store of its own, closed at its end; the process ends when the kernel goes away.
 
     with StoreHost() as store:      # store.port: MASTER_PORT for the ranks
         ...                         # store.num_keys(); store.private: None, or why not private
@@ -13,6 +13,7 @@ import multiprocessing
 import os
 import signal
 import socket
+import threading
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -48,77 +49,95 @@ class Rendezvous:
 
 
 class StoreHost:
-    """The kernel's handle on the store process. See the module docstring.
-    log: the file that takes the store's own output (torch's warnings)."""
-
-    def __init__(self, log=os.devnull):
-        self.log = log
+    """One launch's store, served by the store process (see the module docstring)."""
 
     def __enter__(self):
-        from . import forkserver
-        from .supervisor import main_script_not_rerun
-        forkserver.start()
-        context = multiprocessing.get_context(forkserver.start_method())
-        self._conn, theirs = context.Pipe()
-        self.process = context.Process(target=serve_store, args=(theirs, self.log), name="ddp-helpers-store",
-                                       daemon=True)
-        try:
-            with main_script_not_rerun():
-                self.process.start()
-            theirs.close()
-            if not self._conn.poll(START_TIMEOUT_S):
-                raise RuntimeError(f"the rendezvous store did not start within {START_TIMEOUT_S} s")
-            kind, value, self.private = self._conn.recv()
-            if kind != "ok":
-                raise RuntimeError(f"the rendezvous store could not start: {value}")
-            self.port = value
-        except BaseException:
-            self._end()
-            raise
+        self.port, self.private = _ask("open")
         return self
 
     def num_keys(self):
-        self._conn.send("num_keys")
-        return self._conn.recv()
+        return _ask("num_keys", self.port)
 
     def __exit__(self, *exc):
-        self._end()
+        try:
+            _ask("close", self.port)
+        except (OSError, EOFError, RuntimeError):
+            pass   # the store process is gone: so is the store
         return False
 
-    def _end(self):
-        try:
-            self._conn.send("stop")
-        except OSError:
-            pass
-        self._conn.close()
-        if self.process.pid is not None:
-            self.process.join(2)
-            if self.process.exitcode is None:
-                self.process.kill()
-                self.process.join()
+
+class _Host:
+    """The store process of this kernel, started at its first launch: one more fork of the fork
+    server, which lives as long as the kernel (it ends when its pipe closes). Each launch asks it
+    for a store of its own (a new TCPStore on a new port) and closes it at the end: a request on a
+    pipe costs about a millisecond, where starting a process for each launch cost 40."""
+    process = conn = owner = None   # owner: the PID that started it (a fork of the kernel starts its own)
+    lock = threading.Lock()
 
 
-def serve_store(conn, log):
-    """The store process: serve the store until the kernel says stop, or its end of the pipe closes."""
+def _ask(*request):
+    with _Host.lock:
+        for attempt in (1, 2):   # a store process that died (killed, say) is replaced once
+            if _Host.owner != os.getpid() or not _Host.process.is_alive():
+                _start_host()
+            try:
+                _Host.conn.send(request)
+                kind, value = _Host.conn.recv()
+                break
+            except (OSError, EOFError):
+                _Host.owner = None
+                if attempt == 2:
+                    raise
+    if kind != "ok":
+        raise RuntimeError(f"the rendezvous store could not {request[0]}: {value}")
+    return value
+
+
+def _start_host():
+    from . import forkserver, run_dirs
+    from .supervisor import main_script_not_rerun
+    forkserver.start()
+    context = multiprocessing.get_context(forkserver.start_method())
+    conn, theirs = context.Pipe()
+    log = os.path.join(run_dirs.run_root(), f"store-{os.getpid()}.log")
+    process = context.Process(target=serve_stores, args=(theirs, log), name="ddp-helpers-store", daemon=True)
+    with main_script_not_rerun():
+        process.start()
+    theirs.close()
+    if not conn.poll(START_TIMEOUT_S):
+        process.kill()
+        raise RuntimeError(f"the rendezvous store did not start within {START_TIMEOUT_S} s")
+    conn.recv()   # ready
+    _Host.process, _Host.conn, _Host.owner = process, conn, os.getpid()
+
+
+def serve_stores(conn, log):
+    """The store process: open, count and close stores as the kernel asks, until its pipe closes."""
     from . import forkserver
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.dup2(fd, 1)   # not the kernel's output, which Jupyter may show in whichever cell runs
     os.dup2(fd, 2)
     os.close(fd)
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # the Interrupt button is for the cell; the kernel ends us
-    try:
-        rendezvous = Rendezvous().__enter__()
-    except Exception as exc:
-        conn.send(("error", f"{type(exc).__name__}: {exc}", None))
-        return
-    conn.send(("ok", rendezvous.port, forkserver.NETWORK))
+    stores = {}
+    conn.send(("ok", "ready"))
     while True:
         try:
             request = conn.recv()
         except (EOFError, OSError):
             break
-        if request == "num_keys":
-            conn.send(rendezvous.store.num_keys())
-        else:
-            break
-    rendezvous.__exit__(None, None, None)
+        try:
+            if request[0] == "open":
+                rendezvous = Rendezvous().__enter__()
+                stores[rendezvous.port] = rendezvous
+                reply = (rendezvous.port, forkserver.NETWORK)
+            elif request[0] == "num_keys":
+                reply = stores[request[1]].store.num_keys()
+            elif request[0] == "close":
+                stores.pop(request[1]).__exit__(None, None, None)
+                reply = None
+            else:
+                raise ValueError(f"unknown request {request!r}")
+            conn.send(("ok", reply))
+        except Exception as exc:
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))

@@ -63,7 +63,7 @@ class Supervisor:
         try:
             self.run_dir = new_run_dir()
             self._resources.callback(release_run_dir, self.run_dir)
-            self.store = self._resources.enter_context(StoreHost(os.path.join(self.run_dir, "store.log")))
+            self.store = self._resources.enter_context(StoreHost())
             _say_once_if_not_private(self.store.private)
             self._resources.callback(remove_scratch, self.run_dir, world_size)
             self.output = OutputPump(self.run_dir, world_size, quiet)

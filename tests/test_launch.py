@@ -107,6 +107,13 @@ def listening_ports():
     return ports
 
 
+def launch_children():
+    """This process's multiprocessing children, but the rendezvous stores' process, which lives as long
+    as this process does, as the fork server does (each launch's store in it is closed: the ports
+    checks above see that)."""
+    return [p for p in multiprocessing.active_children() if p.name != "ddp-helpers-store"]
+
+
 def run_dirs():
     root = os.path.join(__import__("tempfile").gettempdir(), f"ddp_helpers-{os.getuid()}")
     return set(os.listdir(root)) if os.path.isdir(root) else set()
@@ -423,7 +430,7 @@ def test_keyboard_interrupt_in_the_launcher_stops_every_worker(tmp_path):
         launch(write_pid_then, 2, args=(str(tmp_path), "sleep"), timeout=seconds(60))
     pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
     assert not any(pid_alive(p) for p in pids)
-    assert multiprocessing.active_children() == []
+    assert launch_children() == []
     # IPython shows one line for it, not the launcher's frames (issue 16)
     assert info.value._render_traceback_() == [
         "KeyboardInterrupt: interrupted; the ranks were stopped (nothing is left running)."]
@@ -469,7 +476,7 @@ def test_launches_back_to_back_never_fail_to_connect_and_leave_no_port_or_proces
     assert [[one for one, _ in ranks] for ranks in results] == [[1, 1]] * 100
     ports = {port for ranks in results for _, port in ranks}
     assert not (ports & listening_ports()), "a rendezvous port is still open"
-    assert multiprocessing.active_children() == []
+    assert launch_children() == []
     assert len(ports) > 1
 
 
@@ -805,8 +812,11 @@ if os.environ.get("FAKE_KERNEL"):
 import ddp_helpers
 
 def servers():
+    from ddp_helpers import store_host   # the stores' process is a fork of the server: not a server
+    host = store_host._Host.process.pid if store_host._Host.process is not None else None
     family = psutil.Process().children(recursive=True)
-    return [p.pid for p in family if "multiprocessing.forkserver import main" in " ".join(p.cmdline())]
+    return [p.pid for p in family
+            if "multiprocessing.forkserver import main" in " ".join(p.cmdline()) and p.pid != host]
 
 def rank_state():
     import gc, signal
