@@ -8,7 +8,7 @@
 
 Like ipyparallel's engines, but already joined in a torch.distributed process
 group. Workers start exactly as `launch` starts them (the same `Supervisor`:
-forkserver, store in the kernel, output as `[rank N] ...`); each then runs
+forkserver, a store of its own in the ranks' private network, output as `[rank N] ...`); each then runs
 `serve.serve`, which waits for requests on a pipe.
 
 If a cell is interrupted, times out, leaves ranks stuck after another rank
