@@ -163,15 +163,23 @@ def _cmdline(process):
 
 
 def workers_of(kernel):
-    """The kernel's worker processes: what its forkserver forked (the forkserver itself stays)."""
+    """The kernel's worker processes: what its forkserver forked (the forkserver itself stays, and so does
+    the process that serves the launches' rendezvous stores, which writes to its store-<pid>.log)."""
     found = []
     try:
         for child in kernel.children():
             if "forkserver" in " ".join(_cmdline(child)):
-                found += child.children(recursive=True)
+                found += [p for p in child.children(recursive=True) if not _serves_stores(p)]
     except psutil.NoSuchProcess:
         pass
     return found
+
+
+def _serves_stores(process):
+    try:
+        return any(re.search(r"/store-\d+\.log$", f.path) for f in process.open_files())
+    except psutil.Error:
+        return False
 
 
 @pytest.fixture(scope="module")
