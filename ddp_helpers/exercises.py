@@ -260,6 +260,9 @@ def _difference(expected, got):
     return None if got == expected else f"expected {expected!r}, got {got!r}"
 
 
+HANG_TIMEOUT_S = 10   # a learner's ranks that have not finished by then are stuck (a send without its recv)
+
+
 def _check(title, fn, cases, make_input, expected, forbidden=(), hint="", algorithm=None):
     """Run fn for each (world_size, length) case and compare each rank's result.
     With `algorithm`, the ranks' p2p calls are recorded too, and algorithm(Traffic, world_size, length)
@@ -270,7 +273,7 @@ def _check(title, fn, cases, make_input, expected, forbidden=(), hint="", algori
         inputs = (fn, lambda r, n, k=length: make_input(r, n, k), forbidden)
         try:
             got = launch(_run_counting_p2p if algorithm else _run_in_rank, world_size, args=inputs,
-                         timeout=10, quiet=True)
+                         timeout=HANG_TIMEOUT_S, quiet=True)
         except WorkerTimeout as err:
             problems.append(f"{label}: rank(s) {err.unfinished_ranks} never finished (a send without "
                             f"its recv, or the other way round?) {hint}".rstrip())
