@@ -391,9 +391,10 @@ def _wait_for_workers(nb, timeout):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         workers = workers_of(kernel)
+        time.sleep(0.3)   # a store process just forked has not opened its log yet: look again
+        workers = [w for w in workers if not _serves_stores(w)]
         if workers:
             return kernel, workers
-        time.sleep(0.2)
     raise AssertionError("no worker process appeared under the kernel")
 
 
