@@ -119,13 +119,13 @@ def steps_per_epoch(n_images, batch_per_rank, world_size):
     return per_rank // batch_per_rank
 
 
-# Notebook 09: the same command on both nodes; the agents meet at node01:29500 and number the nodes.
+# Notebook 11: the same command on both nodes; the agents meet at node01:29500 and number the nodes.
 torchrun_command = ("torchrun --nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint=node01:29500 "
                     "--max-restarts=3 -m ddp_helpers.train --checkpoint 'ckpt/epoch-{epoch}.pt' --resume auto")
 
 
 def mean_loss(loss):
-    """Notebook 10: every rank joins the all_reduce (a collective inside `if rank == 0` hangs the others);
+    """Notebook 12: every rank joins the all_reduce (a collective inside `if rank == 0` hangs the others);
     only the print is rank 0's."""
     t = torch.tensor([float(loss)])
     dist.all_reduce(t)

@@ -384,7 +384,7 @@ def test_torchrun_command_checker_asks_torchrun_for_its_settings():
     assert os.environ.get("OMP_NUM_THREADS") == before   # torchrun's parser sets it; the checker puts it back
 
 
-# ---- notebook 10: the collective that only rank 0 called
+# ---- notebook 12: the collective that only rank 0 called
 def mean_loss_only_rank_0_reduces(loss):  # the bug in the notebook: the others never join the all_reduce
     t = torch.tensor([float(loss)])
     if dist.get_rank() == 0:

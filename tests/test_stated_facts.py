@@ -18,21 +18,21 @@ def torch_version():
 
 
 def test_flight_recorder_is_on_by_default_with_2000_entries():
-    # Notebook 10: TORCH_FR_BUFFER_SIZE first, then TORCH_NCCL_TRACE_BUFFER_SIZE, default 2000.
+    # Notebook 12: TORCH_FR_BUFFER_SIZE first, then TORCH_NCCL_TRACE_BUFFER_SIZE, default 2000.
     header = os.path.join(os.path.dirname(torch.__file__), "include", "torch", "csrc", "distributed",
                           "c10d", "FlightRecorder.hpp")
     if not os.path.exists(header):
         pytest.skip("this torch ships no C++ headers")
     text = open(header).read()
     read = re.search(r"max_entries_ = getCvarInt\(\s*\{([^}]*)\},\s*(\d+)\)", text)
-    assert read, "FlightRecorder.hpp no longer reads its buffer size the way notebook 10 says"
+    assert read, "FlightRecorder.hpp no longer reads its buffer size the way notebook 12 says"
     names = re.findall(r'"(\w+)"', read.group(1))
     assert names == ["TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"]
     assert int(read.group(2)) == 2000
 
 
 def test_breakpoint_reads_dev_stdin_and_lengthens_timeouts():
-    # Notebook 10: dist.breakpoint opens /dev/stdin (so it needs a terminal) and sets an hour's timeout.
+    # Notebook 12: dist.breakpoint opens /dev/stdin (so it needs a terminal) and sets an hour's timeout.
     assert "/dev/stdin" in inspect.getsource(dist._make_distributed_pdb)
     assert inspect.signature(dist.breakpoint).parameters["timeout_s"].default == 3600
 
@@ -67,7 +67,7 @@ def test_without_the_agent_store_worker_rank_0_hosts_it(monkeypatch):
 
 
 def test_torchrun_agent_gives_workers_async_error_handling_1():
-    # Notebooks 04 and 09: the agent sets TORCH_NCCL_ASYNC_ERROR_HANDLING=1 unless it is set already.
+    # Notebooks 04 and 11: the agent sets TORCH_NCCL_ASYNC_ERROR_HANDLING=1 unless it is set already.
     from torch.distributed.elastic.agent.server import local_elastic_agent
     source = inspect.getsource(local_elastic_agent)
     assert re.search(r'"TORCH_NCCL_ASYNC_ERROR_HANDLING": os\.getenv\(\s*"TORCH_NCCL_ASYNC_ERROR_HANDLING",'

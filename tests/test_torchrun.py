@@ -61,7 +61,7 @@ SAME_RUN = dict(width=16, per_class=20, test_per_class=10, batch_size=20, epochs
 def test_killed_worker_restart_resumes_from_checkpoint_and_finishes(tmp_path):
     checkpoint = str(tmp_path / "epoch-{epoch}.pt")
     # One thread per worker, as torchrun sets by default (set here too, so that the uninterrupted
-    # run below computes exactly the same); a fresh store for each restart (see notebook 09).
+    # run below computes exactly the same); a fresh store for each restart (see notebook 11).
     env = {"OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     start = time.monotonic()
     out = torchrun.run_nodes(["-m", "ddp_helpers.train", *FAULTY, "--checkpoint", checkpoint, "--resume", "auto"],

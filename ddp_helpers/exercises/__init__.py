@@ -19,7 +19,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from .launcher import WorkerError, WorkerTimeout, launch
+from ..launcher import WorkerError, WorkerTimeout, launch
 
 
 class Verdict:
@@ -674,7 +674,7 @@ def _torchrun_config_problems(run, args):
 
 
 def check_torchrun_command(command):
-    """Notebook 09: the one torchrun command for every node of a job of 2 nodes x 4 GPUs that
+    """Notebook 11: the one torchrun command for every node of a job of 2 nodes x 4 GPUs that
     meets at node01:29500 through the c10d rendezvous, restarts up to 3 times, and trains with
     `-m ddp_helpers.train --checkpoint ckpt/epoch-{epoch}.pt --resume auto`.
     Parsed with torchrun's own argument parser. Pure text: no ranks needed."""
@@ -802,7 +802,7 @@ def _noting_calls(names):
 
 
 def check_mean_loss(fn):
-    """Notebook 10: `fn(loss)` returns the mean of every rank's loss on every rank, and only rank 0
+    """Notebook 12: `fn(loss)` returns the mean of every rank's loss on every rank, and only rank 0
     prints it. Checked on 2 and 3 ranks: the values, who printed, and that every rank called the same
     collectives in the same order (the bug of the exercise: a collective inside `if rank == 0`)."""
     title = "mean_loss"
@@ -1161,8 +1161,8 @@ def check_all_reduce_timing(fn, predicted_us, nbytes=3 * 2**20, iters=20, warmup
     mean. Then compares the prediction with the 2-rank measurement, loosely (within a factor of
     `tolerance` either way: times on a busy machine vary). Reference solution:
     ddp_helpers/solutions.py, my_all_reduce_time."""
-    from . import bench
-    from .bench_plots import human_bytes
+    from .. import bench
+    from ..bench_plots import human_bytes
     title = "my_all_reduce_time"
     if not (isinstance(nbytes, int) and nbytes >= 4 and isinstance(iters, int) and iters >= 1
             and isinstance(warmup, int) and warmup >= 1):
@@ -1219,3 +1219,10 @@ def check_all_reduce_timing(fn, predicted_us, nbytes=3 * 2**20, iters=20, warmup
             problems.append(f"your prediction is {ratio:.2f}× the measurement, more than {tolerance:g}× off: "
                             f"{hint}")
     return Verdict(title, problems, notes)
+
+
+# Checkers grouped by notebook, each in its own module (they use Verdict and the helpers above).
+from .welcome import *            # noqa: E402,F401,F403  notebook 00
+from .ddp_cifar10 import *        # noqa: E402,F401,F403  notebook 06
+from .tensor_parallel import *    # noqa: E402,F401,F403  notebook 09
+from .pipeline_context import *   # noqa: E402,F401,F403  notebook 10
