@@ -6,7 +6,7 @@ return nothing, so a notebook shows each picture once).
 """
 import matplotlib.pyplot as plt
 import torch
-from matplotlib import colors
+from matplotlib import colors, patheffects
 
 
 def _as_rows(value):
@@ -81,6 +81,78 @@ def show_ranks(per_rank, title, stages=("before", "after"), cmap="viridis", colo
         fig.tight_layout(rect=(0, 0.08, 1, 1))
     else:
         fig.tight_layout()
+    plt.show()
+
+
+def _contributions(inputs, op, rank, j, out_len, value, scattered):
+    """The ranks whose input went into element j of rank `rank`'s result, checked against the value."""
+    pos = rank * out_len + j if scattered else j
+    column = [float(row[pos]) for row in inputs]
+    if op in ("sum", "avg"):
+        expected = sum(column) / (len(column) if op == "avg" else 1)
+        if abs(expected - value) > 1e-6 * max(1.0, abs(value)):
+            raise ValueError(f"rank {rank}, element {j}: {value:g} is not the {op} of the ranks' "
+                             f"inputs at position {pos} ({', '.join(f'{c:g}' for c in column)})")
+        return list(range(len(column)))
+    if op in ("max", "min"):
+        if value not in column or value != (max if op == "max" else min)(column):
+            raise ValueError(f"rank {rank}, element {j}: {value:g} is not the {op} of the ranks' "
+                             f"inputs at position {pos} ({', '.join(f'{c:g}' for c in column)})")
+        return [column.index(value)]
+    raise ValueError(f"op must be None, 'sum', 'avg', 'max' or 'min', not {op!r}")
+
+
+def show_contributions(per_rank, title, stages=("before", "after"), ops=(None, "sum"), scattered=False):
+    """Draw who contributed to each element of a reduction: one row per rank, one column per stage.
+
+    per_rank[r] is a tuple with one tensor (or None) per stage, the first being rank r's input.
+    ops[k] says how stage k was made from the inputs: None (an input: the colour of its rank),
+    "sum" or "avg" (stacked bands, one per rank whose element went into it: every rank), "max" or
+    "min" (the colour of the rank whose element won). Each value is checked against the inputs
+    before it is drawn (a ValueError names the element that does not add up).
+    scattered=True: rank r's result element j comes from input position r * len(result) + j, as
+    in reduce_scatter; otherwise from position j.
+    """
+    if len(ops) != len(stages):
+        raise ValueError(f"one op per stage: {len(stages)} stages, {len(ops)} ops")
+    world = len(per_rank)
+    rows = [[_as_rows(v) for v in stage_values] for stage_values in per_rank]
+    inputs = [ranks[0] for ranks in rows]
+    palette = [plt.get_cmap("tab10")(i % 10) for i in range(world)]
+    widths = [max([r.numel() for r in column if r is not None] + [1]) for column in zip(*rows)]
+    fig, axes = plt.subplots(world, len(stages), squeeze=False, gridspec_kw={"width_ratios": widths},
+                             figsize=(1.4 + 0.42 * sum(widths), 0.5 * world + 1.2))
+    for rank, ranks in enumerate(rows):
+        for col, row in enumerate(ranks):
+            ax = axes[rank][col]
+            ax.set_xticks([])
+            ax.set_yticks([])
+            for side in ax.spines.values():
+                side.set_visible(False)
+            ax.set_xlim(-0.5, widths[col] - 0.5)
+            ax.set_ylim(-0.5, 0.5)
+            ax.set_aspect("equal")
+            if col == 0:
+                ax.set_ylabel(f"rank {rank}", rotation=0, ha="right", va="center")
+            if rank == 0:
+                ax.set_title(stages[col])
+            if row is None or row.numel() == 0:
+                ax.text(0.5, 0.5, "—", ha="center", va="center", transform=ax.transAxes, color="grey")
+                continue
+            for j, value in enumerate(row.tolist()):
+                who = [rank] if ops[col] is None else \
+                    _contributions(inputs, ops[col], rank, j, row.numel(), value, scattered)
+                band = 1.0 / len(who)
+                for k, src in enumerate(who):
+                    ax.add_patch(plt.Rectangle((j - 0.5, 0.5 - (k + 1) * band), 1, band,
+                                               facecolor=palette[src], edgecolor="white", linewidth=0.5))
+                ax.text(j, 0, f"{value:g}", ha="center", va="center", fontsize=9,
+                        path_effects=[patheffects.withStroke(linewidth=2.5, foreground="white")])
+    fig.suptitle(title)
+    fig.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=palette[i]) for i in range(world)],
+               labels=[f"from rank {i}" for i in range(world)], loc="lower center",
+               ncol=world, frameon=False, fontsize=9)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     plt.show()
 
 
