@@ -1,4 +1,5 @@
-"""A tiny decoder-only transformer (GPT-style) for notebooks 09 and 10, small enough for a 2-core laptop.
+"""A tiny decoder-only transformer (GPT-style) for notebooks 09 and 10, small enough for a 2-core
+laptop.
 
     cfg = Config()                       # 2 blocks, width 32, 4 heads, 16 tokens, 64 symbols
     model = TinyTransformer(cfg)         # about 30 thousand parameters
@@ -32,7 +33,8 @@ class Config:
 
 
 class Attention(nn.Module):
-    """Causal multi-head self-attention: q, k, v projections, softmax(q k^T / sqrt(d)) v, output projection."""
+    """Causal multi-head self-attention: q, k, v projections, softmax(q k^T / sqrt(d)) v, and the
+    output projection `out`."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -44,7 +46,7 @@ class Attention(nn.Module):
 
     def forward(self, x):                                     # x: (batch, tokens, dim)
         b, t, _ = x.shape
-        def heads(y):                                         # (b, t, h * head_dim) -> (b, h, t, head_dim)
+        def heads(y):                             # (b, t, h * head_dim) -> (b, h, t, head_dim)
             return y.view(b, t, -1, self.head_dim).transpose(1, 2)
         q, k, v = heads(self.q(x)), heads(self.k(x)), heads(self.v(x))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -77,20 +79,21 @@ class Block(nn.Module):
 
 
 class TinyTransformer(nn.Module):
-    """Token and position embeddings, `layers` blocks, a final norm and a linear head to the vocabulary."""
+    """Token and position embeddings, `layers` blocks, a final norm and a linear head to the
+    vocabulary."""
 
     def __init__(self, cfg=None, seed=0):
         super().__init__()
         cfg = cfg or Config()
         self.cfg = cfg
-        torch.manual_seed(seed)                               # same seed, same weights on every rank
+        torch.manual_seed(seed)                  # same seed, same weights on every rank
         self.tok = nn.Embedding(cfg.vocab, cfg.dim)
         self.pos = nn.Embedding(cfg.seq_len, cfg.dim)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
         self.norm = nn.LayerNorm(cfg.dim)
         self.head = nn.Linear(cfg.dim, cfg.vocab)
 
-    def embed(self, tokens):                                  # (batch, tokens) -> (batch, tokens, dim)
+    def embed(self, tokens):                     # (batch, tokens) -> (batch, tokens, dim)
         return self.tok(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
 
     def forward(self, tokens):                                # -> logits (batch, tokens, vocab)
@@ -105,7 +108,8 @@ class TinyTransformer(nn.Module):
 
 
 def batch(cfg=None, batch_size=8, seed=0):
-    """`batch_size` sequences of the counting task, and their targets (the same shifted by one token)."""
+    """`batch_size` sequences of the counting task, and their targets (the same shifted by one
+    token)."""
     cfg = cfg or Config()
     g = torch.Generator().manual_seed(seed)
     start = torch.randint(cfg.vocab, (batch_size, 1), generator=g)

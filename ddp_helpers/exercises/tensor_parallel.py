@@ -1,2 +1,173 @@
-"""Checkers for notebook 09's exercises (re-exported by `ddp_helpers.exercises`)."""
-__all__ = []
+"""Checkers for notebook 09's exercises (re-exported by `ddp_helpers.exercises`).
+
+`check_row_parallel(fn)`: the forward of a row-parallel linear layer, with tensor parallelism
+(one all-reduce of the partial output, the bias added once) and with sequence parallelism (one
+reduce-scatter of the partial output along the sequence dimension instead). The checker runs it on
+real Gloo ranks and records every collective each rank makes, below torch.distributed's Python
+functions (a dispatch mode that sees the c10d operators, however the learner reached them), with the
+bytes the rank hands in: a right result from another algorithm (gathering the inputs and computing
+everything on every rank, an all-reduce where a reduce-scatter does) is named, not accepted.
+"""
+import torch
+import torch.distributed as dist
+
+from . import _STILL_A_STUB, HANG_TIMEOUT_S, Verdict, _launch_case
+
+__all__ = ["check_row_parallel", "ROW_PARALLEL_CASES"]
+
+# (world_size, batch, tokens, in_features, out_features): tokens and in_features divide by world_size
+ROW_PARALLEL_CASES = [(2, 2, 4, 6, 5), (4, 3, 8, 8, 3)]
+
+
+def _collective_name(schema_name):
+    op = schema_name[len("c10d::"):].strip("_").replace("allgather", "all_gather").replace("allreduce", "all_reduce")
+    return op.replace("_base", "").replace("_into_tensor_coalesced", "").replace("_coalesced", "")
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in _tensors(item)]
+    return []
+
+
+def _recorder():
+    """A dispatch mode that notes every c10d collective as (name, bytes this rank hands in)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func._schema.name
+            if name.startswith("c10d::"):
+                op = _collective_name(name)
+                # all-gathers and reduce-scatters take (outputs, inputs); the others their tensors first
+                given = args[1] if op.startswith(("all_gather", "reduce_scatter")) and len(args) > 1 else \
+                    (args[0] if args else None)
+                self.calls.append((op, sum(t.numel() * t.element_size() for t in _tensors(given))))
+            return func(*args, **(kwargs or {}))
+
+    return Recorder()
+
+
+def _row_parallel_data(batch, tokens, in_features, out_features):
+    g = torch.Generator().manual_seed(batch * 100 + tokens * 10 + in_features)
+    x = torch.randn(batch, tokens, in_features, generator=g)
+    weight = torch.randn(out_features, in_features, generator=g)
+    bias = torch.randn(out_features, generator=g)
+    return x, weight, bias
+
+
+def _row_parallel_in_rank(fn, shape):
+    """Inside a rank: fn(this rank's input-feature slice of x, its column slice of the weight, the
+    whole bias, sequence_parallel) for sequence_parallel False, then True, with every collective
+    recorded. Returns a dict per mode."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    x, weight, bias = _row_parallel_data(*shape)
+    results = {}
+    for sequence_parallel in (False, True):
+        x_shard = x.chunk(world_size, dim=-1)[rank].clone()
+        w_shard = weight.chunk(world_size, dim=1)[rank].clone()
+        recorder = _recorder()
+        try:
+            with recorder:
+                got = fn(x_shard, w_shard, bias.clone(), sequence_parallel)
+            error = None
+        except NotImplementedError:
+            raise
+        except Exception as err:
+            got, error = None, f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+        if isinstance(got, torch.Tensor):
+            got = got.detach().clone()
+        results[sequence_parallel] = {"got": got, "error": error, "calls": recorder.calls}
+    return results
+
+
+def _row_parallel_problem(result, rank, world_size, shape, sequence_parallel):
+    batch, tokens, _, out_features = shape[1:]
+    x, weight, bias = _row_parallel_data(*shape[1:])
+    full = x @ weight.T + bias
+    want = full.chunk(world_size, dim=1)[rank] if sequence_parallel else full
+    wanted = "one reduce-scatter" if sequence_parallel else "one all-reduce"
+    if result["error"]:
+        return f"raised {result['error']}"
+    got = result["got"]
+    if not isinstance(got, torch.Tensor):
+        return f"returned {type(got).__name__}, expected a tensor"
+    if tuple(got.shape) != tuple(want.shape):
+        hint = ""
+        if sequence_parallel and tuple(got.shape) == tuple(full.shape):
+            hint = " (with sequence parallelism each rank keeps only its tokens: 1/world_size of dim 1)"
+        elif sequence_parallel and got.shape[0] * world_size == batch:
+            hint = " (that is a slice of the batch, dim 0: sequence parallelism splits the tokens, dim 1)"
+        return f"expected shape {tuple(want.shape)}, got {tuple(got.shape)}{hint}"
+    if not torch.allclose(got, want, atol=1e-4, rtol=1e-4):
+        if torch.allclose(got, want + (world_size - 1) * bias, atol=1e-4, rtol=1e-4):
+            return (f"the bias is in the result {world_size} times: every rank added it before the sum. "
+                    f"Add it once, after the collective")
+        if torch.allclose(got, want - bias, atol=1e-4, rtol=1e-4):
+            return "the bias is missing: add it (once, after the collective)"
+        i = int((got - want).abs().flatten().argmax())
+        index = tuple(int(k) for k in torch.unravel_index(torch.tensor(i), want.shape))
+        return (f"element {index}: expected {want.flatten()[i].item():.4f}, got {got.flatten()[i].item():.4f} "
+                f"(x_shard @ w_shard.T is this rank's partial sum; the output is the sum over ranks)")
+    calls = result["calls"]
+    partial_bytes = batch * tokens * out_features * 4
+    name = "reduce_scatter" if sequence_parallel else "all_reduce"
+    others = [op for op, _ in calls if not op.startswith(name)]
+    if others:
+        extra = (" (the all-reduce sends every rank the whole sum, then you drop most of it: a reduce-scatter "
+                 "gives each rank only its tokens' sum, half the traffic of an all-reduce)"
+                 if sequence_parallel and others[0].startswith("all_reduce") else
+                 " (gathering the inputs or the weights moves them all and repeats the whole matmul on every "
+                 "rank: the point of the row-parallel layer is a local matmul, then one collective on its "
+                 "partial output)" if others[0].startswith("all_gather") else "")
+        return f"called dist.{others[0]}: the row-parallel forward needs {wanted} and nothing else{extra}"
+    mine = [n for op, n in calls if op.startswith(name)]
+    if not mine:
+        return f"made no collective call: the other ranks' partial sums can only come from {wanted}"
+    if len(mine) > 1:
+        return f"made {len(mine)} {name} calls: {wanted} of the whole partial output is enough"
+    if mine[0] != partial_bytes:
+        return (f"the {name} handed in {mine[0]} bytes; the partial output x_shard @ w_shard.T is "
+                f"{partial_bytes} bytes ({batch}x{tokens}x{out_features} float32): reduce that")
+    return None
+
+
+def check_row_parallel(fn):
+    """Notebook 09: `fn(x_shard, w_shard, bias, sequence_parallel)` is a row-parallel linear layer's
+    forward. x_shard is this rank's slice of the input's last dimension (features), w_shard the same
+    columns of the weight, bias the whole bias. It returns x @ weight.T + bias on every rank
+    (sequence_parallel=False), or this rank's block of tokens of it (sequence_parallel=True). Checked on
+    2 and 4 ranks for both: the values, and the collectives each rank made with their bytes."""
+    title = "my_row_parallel"
+    problems = []
+    for shape in ROW_PARALLEL_CASES:
+        world_size = shape[0]
+        results, problem, stuck = _launch_case(
+            _row_parallel_in_rank, world_size, (fn, shape[1:]), f"world_size={world_size}",
+            timeout=2 * HANG_TIMEOUT_S,
+            never_finished="they wait in a collective another rank never joined: every rank must make the "
+                           "same collective calls, with tensors of the same size",
+            partner_left=": another rank left without joining the collective")
+        if problem is _STILL_A_STUB:
+            return Verdict(title, [f"{getattr(fn, '__name__', 'the function')} still raises "
+                                   f"NotImplementedError: fill in the stub"])
+        if problem:
+            problems.append(problem)
+            if stuck:
+                break
+            continue
+        for sequence_parallel in (False, True):
+            for rank, result in enumerate(results):
+                problem = _row_parallel_problem(result[sequence_parallel], rank, world_size, shape,
+                                                sequence_parallel)
+                if problem:
+                    problems.append(f"world_size={world_size}, sequence_parallel={sequence_parallel}, "
+                                    f"rank {rank}: {problem}")
+                    break
+    return Verdict(title, problems)
