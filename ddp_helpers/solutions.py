@@ -147,3 +147,22 @@ def fp16_compress(state, bucket):
         return buffer
 
     return fut.then(decompress)
+
+
+# ---- Notebook 09 --------------------------------------------------------------------------------
+
+def row_parallel(x_shard, w_shard, bias, sequence_parallel):
+    """Notebook 09: a row-parallel linear layer's forward. Each rank multiplies its slice of the input
+    features by the same columns of the weight: a partial sum of the whole output. Tensor parallelism
+    adds the partial sums with one all-reduce; sequence parallelism with one reduce-scatter along the
+    tokens (dim 1), so each rank keeps only its block of tokens. The bias is added once, after."""
+    partial = x_shard @ w_shard.T                                  # (batch, tokens, out): a partial sum
+    if not sequence_parallel:
+        dist.all_reduce(partial)                                   # the sum, on every rank
+        return partial + bias
+    n = dist.get_world_size()
+    by_tokens = partial.transpose(0, 1).contiguous()       # tokens first: reduce-scatter splits dim 0
+    mine = torch.empty_like(by_tokens.chunk(n)[0])
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    reduce_scatter(mine, by_tokens)                        # the sum of MY block of tokens
+    return mine.transpose(0, 1) + bias
