@@ -120,29 +120,36 @@ def ring_all_reduce_steps(tensor):
 def ping_pong(sizes_bytes, iters=20, warmup=3, device="cpu", percentile=50):
     """Round-trip time between ranks 0 and 1 for each message size, in microseconds: the given
     percentile of `iters` round trips (50: the median). Rank 0 sends, rank 1 sends the same bytes
-    back. On a busy machine some round trips wait a scheduler tick (milliseconds) whatever their
-    size: a low percentile shows the message's own cost."""
+    back. First `warmup` untimed rounds (a fresh group's first messages set up buffers and
+    connections), then `iters` timed rounds; each round makes one round trip of every size in turn,
+    so that a burst of other work on a busy machine slows a round trip of many sizes, which the
+    median leaves out, rather than many round trips of one size (a spike in the curve)."""
     rank = dist.get_rank()
     if rank > 1:
         return None  # only ranks 0 and 1 take part
     peer = 1 - rank
-    results = []
-    for size in sizes_bytes:
-        buffer = torch.zeros(max(1, size), dtype=torch.uint8, device=device)
-        times = []
-        for i in range(warmup + iters):
+    buffers = [torch.zeros(max(1, size), dtype=torch.uint8, device=device) for size in sizes_bytes]
+
+    def round_trip(buffer):
+        if rank == 0:
+            dist.send(buffer, dst=peer)
+            dist.recv(buffer, src=peer)
+        else:
+            dist.recv(buffer, src=peer)
+            dist.send(buffer, dst=peer)
+
+    for _ in range(warmup):
+        for buffer in buffers:
+            round_trip(buffer)
+    times = [[] for _ in buffers]
+    for _ in range(iters):
+        for buffer, timings in zip(buffers, times):
             if device != "cpu":
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            if rank == 0:
-                dist.send(buffer, dst=peer)
-                dist.recv(buffer, src=peer)
-            elif rank == 1:
-                dist.recv(buffer, src=peer)
-                dist.send(buffer, dst=peer)
+            round_trip(buffer)
             if device != "cpu":
-                torch.cuda.synchronize()
-            if i >= warmup:
-                times.append(time.perf_counter() - start)
-        results.append((size, sorted(times)[min(len(times) - 1, len(times) * percentile // 100)] * 1e6))
-    return results
+                torch.cuda.synchronize()   # a CUDA send returns when queued: wait for the GPU
+            timings.append(time.perf_counter() - start)
+    return [(size, sorted(t)[min(len(t) - 1, len(t) * percentile // 100)] * 1e6)
+            for size, t in zip(sizes_bytes, times)]

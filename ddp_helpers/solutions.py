@@ -149,6 +149,20 @@ def fp16_compress(state, bucket):
     return fut.then(decompress)
 
 
+# ---- Notebook 00 --------------------------------------------------------------------------------
+
+def slowest_rank(seconds):
+    """Notebook 00: the largest time of all ranks and the rank that measured it (the lowest such rank
+    on a tie), on every rank. Two all_reduces of one number each: MAX of the times, then MIN of the
+    rank numbers of the ranks that hold that time (world_size, larger than any rank, for the others)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    slowest = seconds.clone()
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    who = torch.tensor([rank if bool(seconds == slowest) else world_size])
+    dist.all_reduce(who, op=dist.ReduceOp.MIN)
+    return slowest.item(), int(who.item())
+
+
 # ---- Notebook 09 --------------------------------------------------------------------------------
 
 def row_parallel(x_shard, w_shard, bias, sequence_parallel):

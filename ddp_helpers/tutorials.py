@@ -299,8 +299,7 @@ def _use_the_launch_rendezvous():
     if _RankShims.launch_port is None or (addr, port) == (_RankShims.launch_addr, _RankShims.launch_port):
         return
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = _RankShims.launch_addr, _RankShims.launch_port
-    _say(f"MASTER_ADDR:PORT {addr}:{port} from your code -> this launch's own, "
-         f"{_RankShims.launch_addr}:{_RankShims.launch_port}")
+    _say(f"MASTER_ADDR:PORT {addr}:{port} from your code -> this launch's own")
 
 
 def _mark_rendezvous(where):

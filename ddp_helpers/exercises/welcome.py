@@ -1,2 +1,103 @@
 """Checkers for notebook 00's exercises (re-exported by `ddp_helpers.exercises`)."""
-__all__ = []
+import contextlib
+import io
+
+import torch
+import torch.distributed as dist
+
+from . import _COLLECTIVES, _STILL_A_STUB, Verdict, _launch_case, _noting_calls
+
+__all__ = ["check_slowest_rank", "SLOWEST_RANK_CASES"]
+
+# Each case: the seconds every rank measured (rank r holds entry r). The last has a tie: two ranks
+# share the slowest time, and the lower rank number is the answer.
+SLOWEST_RANK_CASES = [(0.25, 0.75), (0.5, 0.125, 0.375), (0.41, 0.12, 0.77, 0.35), (0.3, 0.9, 0.2, 0.9)]
+
+
+def _slowest_in_rank(fn, seconds_per_rank):
+    """Inside a rank: fn(this rank's seconds, a 1-element float32 tensor), every collective wrapped to
+    note its name (outermost calls only). Returns (what fn returned, made plain: a (float, int) pair,
+    or a string saying what came back instead; the collectives' names in call order)."""
+    seconds = torch.tensor([seconds_per_rank[dist.get_rank()]], dtype=torch.float32)
+    with _noting_calls(_COLLECTIVES) as calls, contextlib.redirect_stdout(io.StringIO()):
+        result = fn(seconds.clone())
+    if not isinstance(result, (tuple, list)) or len(result) != 2:
+        return f"{type(result).__name__} {result!r}"[:80], list(calls)
+    try:
+        time_s, rank = (float(result[0].item() if isinstance(result[0], torch.Tensor) else result[0]),
+                        int(result[1].item() if isinstance(result[1], torch.Tensor) else result[1]))
+    except (TypeError, ValueError, RuntimeError):
+        return f"{result!r}"[:80], list(calls)
+    return (time_s, rank), list(calls)
+
+
+def _expected(seconds_per_rank):
+    slowest = max(torch.tensor(seconds_per_rank, dtype=torch.float32).tolist())
+    rank = min(r for r, s in enumerate(torch.tensor(seconds_per_rank, dtype=torch.float32).tolist())
+               if s == slowest)
+    return slowest, rank
+
+
+def check_slowest_rank(fn):
+    """Notebook 00: `fn(seconds)` gets this rank's measured time (a 1-element float32 tensor) and
+    returns `(slowest_seconds, slowest_rank)`, the same on every rank: the largest time of all ranks
+    and the rank that measured it (the lowest such rank on a tie), computed with `dist.all_reduce`
+    only (at most 2 calls). Checked on 2, 3 and 4 ranks, one case with a tie: each rank's answer and
+    the collectives each rank called."""
+    title = "slowest_rank"
+    problems = []
+    for seconds_per_rank in SLOWEST_RANK_CASES:
+        world_size = len(seconds_per_rank)
+        label = f"world_size={world_size}, seconds={list(seconds_per_rank)}"
+        results, problem, stuck = _launch_case(
+            _slowest_in_rank, world_size, (fn, seconds_per_rank), label, timeout=10,
+            never_finished="they wait in a collective that another rank never calls. Is a collective "
+                           "inside an `if`? Every rank must call every collective, in the same order",
+            partner_left=": its partner had left without joining the collective. Is a collective inside "
+                         "an `if`? Every rank must call every collective")
+        if problem is _STILL_A_STUB:
+            return Verdict(title, [f"{fn.__name__} still raises NotImplementedError: fill in the stub"])
+        if problem:
+            problems.append(problem)
+            if stuck:
+                break
+            continue
+        calls = [names for _, names in results]
+        others = sorted({name for names in calls for name in names if name != "all_reduce"})
+        if others:
+            problems.append(f"{label}: the ranks called dist.{', dist.'.join(others)}: use dist.all_reduce "
+                            f"only, with op=dist.ReduceOp.MAX (or MIN), which moves one number per call")
+            continue
+        if not any(calls):
+            problems.append(f"{label}: no rank called a collective, so no rank knows the others' times: "
+                            f"use dist.all_reduce")
+            continue
+        most = max(len(names) for names in calls)
+        if most > 2:
+            problems.append(f"{label}: a rank called dist.all_reduce {most} times: two calls are enough "
+                            f"(the largest time, then the rank that has it)")
+            continue
+        want_s, want_rank = _expected(seconds_per_rank)
+        tie = sum(s == want_s for s in torch.tensor(seconds_per_rank, dtype=torch.float32).tolist()) > 1
+        for rank, (got, _) in enumerate(results):
+            if isinstance(got, str):
+                problems.append(f"{label}, rank {rank}: expected a pair (slowest_seconds, slowest_rank), "
+                                f"got {got}")
+                break
+            got_s, got_rank = got
+            if abs(got_s - want_s) > 1e-6:
+                mine = float(torch.tensor(seconds_per_rank[rank], dtype=torch.float32))
+                why = (" (its own time: the others' never reached it)" if abs(got_s - mine) <= 1e-6
+                       else " (a sum? use op=dist.ReduceOp.MAX)" if abs(got_s - sum(seconds_per_rank)) < 1e-5
+                       else "")
+                problems.append(f"{label}, rank {rank}: expected the slowest time {want_s:g}, got {got_s:g}{why}")
+                break
+            if got_rank != want_rank:
+                why = (" (its own rank number)" if got_rank == rank and rank != want_rank else "")
+                if tie:
+                    why += (f"; ranks share the slowest time here: return the lowest of them "
+                            f"(ReduceOp.MIN over the ranks that have it)")
+                problems.append(f"{label}, rank {rank}: the time is right, but the slowest rank is "
+                                f"{want_rank}, not {got_rank}{why}")
+                break
+    return Verdict(title, problems)
