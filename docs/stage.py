@@ -11,7 +11,8 @@ the ones CI re-produces. What is copied into docs/ (all of it git-ignored):
     the nearest picture above, where the cell before has none);
   - the notebook's widget state is dropped, so no page loads widget JavaScript from the internet;
   - `# NBVAL_...` comment lines (test markers, not course content) leave the code shown.
-- docs/notebooks/glossary.md: notebooks/glossary.md.
+- docs/notebooks/glossary.md: notebooks/glossary.md; docs/notebooks/instructors.md: notebooks/instructors.md
+  (its README links point at the landing page, which includes the README).
 - docs/_readme.md: README.md, which the landing page (index.md) includes, its links fixed alike.
 - docs/_files/...: files that the notebooks or the README link to outside notebooks/ (e.g. ../ddp_helpers/train.py),
   so the page links to a copy instead of a broken path.
@@ -151,6 +152,11 @@ def stage():
         staged.append("glossary.md")
     else:
         raise SystemExit("docs: notebooks/glossary.md is missing (the site's glossary page)")
+    guide = NOTEBOOKS / "instructors.md"          # the instructor's guide; its links to README sections
+    if guide.is_file():                             # point at the landing page, which includes the README
+        text = copy_linked_files(guide.read_text(encoding="utf-8")).replace("](../README.md#", "](../index.md#")
+        (STAGED / "instructors.md").write_text(mermaid_diagrams(text), encoding="utf-8")
+        staged.append("instructors.md")
     mermaid = os.environ.get("DOCS_MERMAID_JS")
     if mermaid:
         shutil.copy2(mermaid, STATIC / "mermaid.min.js")
