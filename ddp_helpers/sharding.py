@@ -67,46 +67,63 @@ def rank_memory(model, optimizer, extra_grads=()):
 CATEGORIES = ("parameters", "gradients", "optimizer state", "buffers")
 
 
+def _rank_groups(held):
+    """[(label, bytes)] for consecutive ranks that hold the same bytes: "rank 3", "ranks 0-2"."""
+    groups = []
+    for rank, h in enumerate(held):
+        if groups and groups[-1][2] == h:
+            groups[-1][1] = rank
+        else:
+            groups.append([rank, rank, h])
+    return [(f"rank {a}" if a == b else f"ranks {a}-{b}", h) for a, b, h in groups]
+
+
 def format_table(rows):
     """rows: [{"scheme", "N", "theory": {category: bytes}, "held": [per rank {category: bytes}]}]
-    -> a text table, theory then every rank's measured bytes, per category."""
-    lines = [f"{'scheme':<8}{'N':>2}  {'':<7}" + "".join(f"{c:>17}" for c in CATEGORIES) + f"{'total':>9}"]
+    -> a text table, theory then the measured bytes per category; consecutive ranks that hold the
+    same bytes share one line ("ranks 0-2")."""
+    lines = [f"{'scheme':<8}{'N':>2}  {'':<9}" + "".join(f"{c:>16}" for c in CATEGORIES) + f"{'total':>8}"]
     for row in rows:
         theory = row["theory"]
-        lines.append(f"{row['scheme']:<8}{row['N']:>2}  {'theory':<7}"
-                     + "".join(f"{theory.get(c, 0):>17,}" for c in CATEGORIES)
-                     + f"{sum(theory.values()):>9,}")
-        for rank, held in enumerate(row["held"]):
-            lines.append(f"{'':<10}  {f'rank {rank}':<7}" + "".join(f"{held[c]:>17,}" for c in CATEGORIES)
-                         + f"{sum(held.values()):>9,}")
+        lines.append(f"{row['scheme']:<8}{row['N']:>2}  {'theory':<9}"
+                     + "".join(f"{theory.get(c, 0):>16,}" for c in CATEGORIES)
+                     + f"{sum(theory.values()):>8,}")
+        for label, held in _rank_groups(row["held"]):
+            lines.append(f"{'':<10}  {label:<9}" + "".join(f"{held[c]:>16,}" for c in CATEGORIES)
+                         + f"{sum(held.values()):>8,}")
     return "\n".join(lines)
 
 
 _COLOURS = {"parameters": "#4C72B0", "gradients": "#DD8452", "optimizer state": "#55A868", "buffers": "#8172B3"}
 
 
-def plot_memory_table(rows, title="Bytes per rank: theory (hatched) vs what rank 0 holds"):
+def plot_memory_table(rows, title="Bytes per rank: computed (hatched) and what rank 0 holds (solid)"):
     """Stacked bars per scheme and N: the computed bytes beside what rank 0 measured."""
     import matplotlib.pyplot as plt   # here, not at the top: ranks import this module and never plot
-    fig, ax = plt.subplots(figsize=(9, 3.4))
-    labels, x = [], 0
-    for row in rows:
-        for kind, values, hatch in (("theory", row["theory"], "//"), ("rank 0", row["held"][0], "")):
+    from matplotlib.patches import Patch
+    fig, ax = plt.subplots(figsize=(10, 4.2))
+    centres, labels = [], []
+    for i, row in enumerate(rows):
+        left = 3 * i                                      # two bars, then a gap
+        for offset, values, hatch in ((0, row["theory"], "//"), (1, row["held"][0], "")):
             bottom = 0
             for c in CATEGORIES:
                 v = values.get(c, 0)
-                ax.bar(x, v, bottom=bottom, color=_COLOURS[c], hatch=hatch, edgecolor="white",
-                       label=c if x == 0 else None)
+                ax.bar(left + offset, v, width=0.9, bottom=bottom, color=_COLOURS[c], hatch=hatch,
+                       edgecolor="white")
                 bottom += v
-            labels.append(f"{row['scheme']}\nN={row['N']}\n{kind}")
-            x += 1
-        x += 0.5
-    positions = [i + 0.5 * (i // 2) for i in range(len(labels))]
-    ax.set_xticks(positions)
-    ax.set_xticklabels(labels, fontsize=7)
-    ax.set_ylabel("bytes")
-    ax.set_title(title)
-    ax.legend(fontsize=8, loc="upper right")
+        centres.append(left + 0.5)
+        labels.append(f"{row['scheme']}\nN = {row['N']}")
+    ax.set_xticks(centres)
+    ax.set_xticklabels(labels, fontsize=11)
+    ax.tick_params(axis="y", labelsize=11)
+    ax.set_ylabel("bytes", fontsize=11)
+    ax.set_title(title, fontsize=12)
+    handles = [Patch(color=_COLOURS[c], label=c) for c in CATEGORIES]
+    handles += [Patch(facecolor="white", edgecolor="grey", hatch="//", label="computed"),
+                Patch(facecolor="grey", label="rank 0 holds")]
+    ax.legend(handles=handles, fontsize=10, loc="upper right", ncol=2)
+    ax.set_ylim(0, 1.35 * max(sum(r["held"][0].values()) for r in rows))
     fig.tight_layout()
     plt.show()
 
@@ -144,6 +161,105 @@ def plot_zero_stages(world_size=4):
                  fontsize=10)
     fig.tight_layout()
     plt.show()
+
+
+# ---------------------------------------------------------------- what FSDP2 does, in order
+
+def _c10d_name(func):
+    """'all_gather', 'reduce_scatter', 'all_reduce', ... for a c10d op, else None."""
+    name = func._schema.name
+    if not name.startswith("c10d::"):
+        return None
+    name = name[len("c10d::"):].strip("_").replace("allgather", "all_gather").replace("allreduce", "all_reduce")
+    for base in ("all_gather", "reduce_scatter", "all_reduce", "broadcast"):
+        if base in name:
+            return base
+    return name
+
+
+class FsdpTrace:
+    """Records, in order and without a clock, what FSDP2 does in a forward and backward pass.
+
+    FSDP2 labels its work with `torch.profiler.record_function` ("FSDP::pre_forward (layers.0)",
+    "FSDP::all_gather (layers.1)", ...: the names a profiler trace shows); a dispatch mode sees those
+    labels even with no profiler running, and every c10d collective below torch.distributed's
+    Python functions. Use it as a context manager around the pass, inside a rank:
+
+        events: [("pre_forward", module), ("all_gather", module, dtype, bytes sent), ...]
+        by_hook(): [(hook, module, [modules whose all-gather that hook issued])]
+        collectives(): {(collective, dtype): bytes this rank sent}
+    """
+
+    def __init__(self):
+        self.events = []
+        self._owner = "?"
+        self._mode = None
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        trace = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                trace._see(func, args)
+                return func(*args, **(kwargs or {}))
+
+        self._mode = Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)
+
+    def _see(self, func, args):
+        if func._schema.name.startswith("profiler::_record_function_enter"):
+            label = str(args[0]) if args else ""
+            if label.startswith("FSDP::"):
+                what, _, module = label[len("FSDP::"):].partition(" (")
+                module = module.split(")")[0]
+                if what in ("pre_forward", "pre_backward"):
+                    self.events.append((what, module))
+                elif what in ("all_gather", "post_backward_reduce"):
+                    self._owner = module
+            return
+        collective = _c10d_name(func)
+        if collective:
+            # (output, input, ...) for an all-gather or a reduce-scatter: the input is what this rank
+            # contributes; an all-reduce or a broadcast: its first argument
+            sent = args[1] if collective in ("all_gather", "reduce_scatter") and len(args) > 1 else args[0]
+            sent = [sent] if isinstance(sent, torch.Tensor) else [t for t in sent if isinstance(t, torch.Tensor)]
+            self.events.append((collective, self._owner, sent[0].dtype if sent else None,
+                                sum(t.numel() * t.element_size() for t in sent)))
+
+    def by_hook(self):
+        """[(hook, module, [modules all-gathered while that hook ran])], in the order the hooks ran."""
+        hooks = []
+        for event in self.events:
+            if event[0] in ("pre_forward", "pre_backward"):
+                hooks.append((event[0], event[1], []))
+            elif event[0] == "all_gather" and hooks:
+                hooks[-1][2].append(event[1])
+        return hooks
+
+    def collectives(self):
+        """{(collective, dtype name): bytes this rank sent}, over the whole recording."""
+        total = {}
+        for event in self.events:
+            if len(event) == 4:
+                key = (event[0], str(event[2]).replace("torch.", ""))
+                total[key] = total.get(key, 0) + event[3]
+        return total
+
+
+def format_gather_order(orders):
+    """{setting: FsdpTrace.by_hook()} -> lines: per pass, each hook and what it all-gathered."""
+    lines = []
+    for hook, title in (("pre_forward", "forward"), ("pre_backward", "backward")):
+        lines.append(f"{title}: each block's hook -> the all-gathers it issued")
+        for setting, hooks in orders.items():
+            steps = [f"{module}: {', '.join(gathered) or '-'}" for h, module, gathered in hooks if h == hook]
+            lines.append(f"  {setting:<10}" + " | ".join(steps))
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- the "Try it" checker

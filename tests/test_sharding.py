@@ -172,3 +172,60 @@ def test_a_collective_held_in_a_variable_is_seen():
     assert verdict, repr(verdict)
     problems = repr(sharding.check_shard_and_reassemble(sharding.solution_shard, reassemble_all_reduce))
     assert "dist.all_reduce" in problems, problems
+
+
+def test_format_table_merges_ranks_that_hold_the_same():
+    same, other = dict.fromkeys(sharding.CATEGORIES, 1), dict.fromkeys(sharding.CATEGORIES, 2)
+    row = {"scheme": "FSDP2", "N": 4, "theory": dict.fromkeys(sharding.CATEGORIES[:3], 1),
+           "held": [same, same, same, other]}
+    lines = sharding.format_table([row]).splitlines()
+    assert len(lines) == 4 and "ranks 0-2" in lines[2] and "rank 3" in lines[3], lines
+    assert all(len(line) <= 100 for line in lines)
+
+
+# ---------------------------------------------------------------- FsdpTrace: what FSDP2 does, in order
+
+def _fsdp_trace(prefetch, policy=None):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model:
+        fully_shard(block, mesh=mesh, mp_policy=policy or MixedPrecisionPolicy())
+    fully_shard(model, mesh=mesh, mp_policy=policy or MixedPrecisionPolicy())
+    if prefetch:
+        model[0].set_modules_to_forward_prefetch([model[1], model[2]])
+    with sharding.FsdpTrace() as trace:
+        model(torch.ones(2, 4)).float().sum().backward()
+    return trace.by_hook(), trace.collectives()
+
+
+def test_fsdp_trace_records_which_hook_issued_each_all_gather():
+    (default, sent), (prefetched, _) = launch(lambda: (_fsdp_trace(False), _fsdp_trace(True)), 2)[0]
+    forward = [(module, gathered) for hook, module, gathered in default if hook == "pre_forward"]
+    assert forward == [("0", ["0"]), ("1", ["1"]), ("2", ["2"])], default
+    forward = [(module, gathered) for hook, module, gathered in prefetched if hook == "pre_forward"]
+    assert forward == [("0", ["0", "1", "2"]), ("1", []), ("2", [])], prefetched
+    backward = [module for hook, module, _ in default if hook == "pre_backward"]
+    assert backward == ["2", "1", "0"], default
+    # padded shards: 3 blocks of 4 x 4 + 4 (2 rows + 2 per rank) and 2 x 4 + 2 (1 row + 1), float32,
+    # gathered in forward and again in backward; the reduce-scatters send whole padded gradients
+    shard = 4 * (2 * 4 + 2) * 2 + 4 * (1 * 4 + 1)
+    assert sent == {("all_gather", "float32"): 2 * shard, ("reduce_scatter", "float32"): 2 * shard}, sent
+
+
+def test_fsdp_trace_sees_the_mixed_precision_dtypes():
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    _, sent = launch(lambda: _fsdp_trace(False, policy), 2)[0]
+    assert set(sent) == {("all_gather", "bfloat16"), ("reduce_scatter", "float32")}, sent
+    assert 2 * sent["all_gather", "bfloat16"] == sent["reduce_scatter", "float32"], sent
+
+
+def test_format_gather_order_fits_the_notebook():
+    hooks = [("pre_forward", "layers.0", ["layers.0", "layers.1"]), ("pre_forward", "head", []),
+             ("pre_backward", "head", ["head"])]
+    text = sharding.format_gather_order({"default": hooks, "prefetch": hooks})
+    assert "  default   layers.0: layers.0, layers.1 | head: -" in text, text
+    assert "  prefetch  head: head" in text and text.splitlines()[0].startswith("forward"), text
