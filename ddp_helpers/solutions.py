@@ -149,6 +149,18 @@ def fp16_compress(state, bucket):
     return fut.then(decompress)
 
 
+def exact_accuracy(correct, n_images):
+    """Notebook 06: the accuracy over all n_images test images, on every rank, from this rank's
+    DistributedSampler share. Rank r's j-th sample sits at position r + j * world_size of the
+    sampler's padded order; positions from n_images on repeat the first images, so they are not
+    counted. One all_reduce (SUM) of both counts: every rank gets the exact figure."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    real = rank + world_size * torch.arange(len(correct)) < n_images   # the padding: False
+    counts = torch.tensor([correct[real].sum().item(), real.sum().item()], dtype=torch.float64)
+    dist.all_reduce(counts)   # ReduceOp.SUM: (right, scored) over all ranks
+    return (counts[0] / counts[1]).item()
+
+
 # ---- Notebook 00 --------------------------------------------------------------------------------
 
 def slowest_rank(seconds):

@@ -333,10 +333,10 @@ def evaluate(t):
     """Each rank scores its share of the test set; one all_reduce sums (loss, correct, count) over
     ranks."""
     t.module.eval()
-    # BatchNorm's running statistics: DDP sends rank 0's to all ranks before each training forward
-    # (its default), then each rank's forward updates its copy from its own shard: they differ by the
-    # last step (by all of training with forward_sync_buffers=False). t.module runs no DDP forward, so
-    # send rank 0's here: every rank evaluates the model that rank 0 saves
+    # BatchNorm's running statistics: DDP sends rank 0's to all ranks before each training
+    # forward (its default), then each rank's forward updates its copy from its own shard: they
+    # differ by the last step (by all of training with forward_sync_buffers=False). t.module runs
+    # no DDP forward, so send rank 0's here: every rank evaluates the model that rank 0 saves
     for buffer in t.module.buffers():
         dist.broadcast(buffer, src=0)
     totals = torch.zeros(3, device=t.device)
