@@ -135,7 +135,7 @@ def plot_zero_stages(world_size=4):
     stages = [("DDP", ()), ("ZeRO-1", ("optimizer state",)), ("ZeRO-2", ("optimizer state", "gradients")),
               ("ZeRO-3 = FSDP", ("optimizer state", "gradients", "parameters"))]
     sizes = {"parameters": 1, "gradients": 1, "optimizer state": 2}   # Adam: 2 floats per parameter
-    fig, axes = plt.subplots(1, len(stages), figsize=(11, 2.4), sharey=True)
+    fig, axes = plt.subplots(1, len(stages), figsize=(11, 2.9), sharey=True)
     for ax, (name, sharded) in zip(axes, stages):
         total = 0.0
         for rank in range(world_size):
@@ -153,12 +153,12 @@ def plot_zero_stages(world_size=4):
         ax.set_xlim(0, 4)
         ax.set_ylim(world_size, -0.2)
         ax.set_xticks([0.5, 1.5, 3])
-        ax.set_xticklabels(["params", "grads", "Adam"], fontsize=8)
-        ax.set_title(f"{name}\n{4 * total / world_size:.1f} bytes/param per rank", fontsize=9)
+        ax.set_xticklabels(["params", "grads", "Adam"], fontsize=10)
+        ax.set_title(f"{name}\n{4 * total / world_size:.1f} bytes/param per rank", fontsize=10)
     axes[0].set_yticks([r + 0.4 for r in range(world_size)])
-    axes[0].set_yticklabels([f"rank {r}" for r in range(world_size)])
+    axes[0].set_yticklabels([f"rank {r}" for r in range(world_size)], fontsize=10)
     fig.suptitle(f"Filled: what each of {world_size} ranks keeps (float32 + Adam: 4 + 4 + 8 bytes per parameter)",
-                 fontsize=10)
+                 fontsize=11)
     fig.tight_layout()
     plt.show()
 
