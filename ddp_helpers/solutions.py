@@ -192,3 +192,20 @@ def row_parallel(x_shard, w_shard, bias, sequence_parallel):
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     reduce_scatter(mine, by_tokens)                        # the sum of MY block of tokens
     return mine.transpose(0, 1) + bias
+
+
+# ---- Notebook 10 --------------------------------------------------------------------------------
+
+def one_f_one_b(forward, backward, m, rank, p):
+    """Notebook 10: the 1F1B order on stage `rank` of `p`. Warm-up: p - rank - 1 forwards (the
+    last stage none), enough to fill the pipeline behind this stage; then one forward, one backward
+    until every forward has run; then the remaining backwards. At most p - rank micro-batches'
+    activations are held at once (GPipe: all m)."""
+    warmup = min(m, p - rank - 1)
+    for i in range(warmup):
+        forward(i)
+    for i in range(m - warmup):
+        forward(warmup + i)
+        backward(i)
+    for i in range(m - warmup, m):
+        backward(i)
