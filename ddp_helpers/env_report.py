@@ -7,7 +7,10 @@ import os
 import torch
 import torch.distributed as dist
 
-KEYS = ["RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT"]
+# TORCHELASTIC_USE_AGENT_STORE: True when the workers' store is served by node 0's agent (torchrun's
+# default), False with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (then the worker with RANK 0 serves it).
+KEYS = ["RANK", "LOCAL_RANK", "GROUP_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT",
+        "TORCHELASTIC_USE_AGENT_STORE"]
 
 
 def main():

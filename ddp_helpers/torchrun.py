@@ -48,8 +48,42 @@ class NodesResult:
         return shlex.join(["torchrun", *args])
 
     @property
+    def torchrun_lines(self):
+        """The same command one option per line, as a shell continuation (`\\` at each line's end),
+        so that it fits a notebook's width and can be copied as it is."""
+        return shell_lines(shlex.split(self.torchrun))
+
+    @property
     def ok(self):
         return all(code == 0 for code in self.returncodes)
+
+
+def shell_lines(words, indent="    "):
+    """A launcher's command as shell lines, one option per line, each but the last ending in a
+    backslash; the program's own options (after `-m module` or a script) are indented once more:
+    ["torchrun", "--nnodes=2", "-m", "x", "--epochs", "3"] ->
+    "torchrun \\\n    --nnodes=2 \\\n    -m x \\\n        --epochs 3". Words are quoted for the shell.
+    The launcher's options are taken to be flags or `--name=value` (as torchrun_args writes them);
+    the program's may be `--name value`."""
+    groups, program_from = [words[:1]], None
+    for word in words[1:]:
+        option = word.startswith("-") and not re.fullmatch(r"-[\d.]+", word)
+        if program_from is None:            # still the launcher's options
+            if groups[-1] == ["-m"]:
+                groups[-1].append(word)
+                program_from = len(groups)
+            else:
+                groups.append([word])
+                if not option:              # a script: what follows is its arguments
+                    program_from = len(groups)
+        elif option or len(groups) == program_from:
+            groups.append([word])
+        else:
+            groups[-1].append(word)
+    lines = [shlex.join(group) for group in groups]
+    deeper = lambda i: program_from is not None and i >= program_from
+    return " \\\n".join(lines[:1] + [indent * (1 + deeper(i)) + line
+                                      for i, line in enumerate(lines[1:], start=1)])
 
 
 _LOG_PREFIX = re.compile(r"^[DIWEF]\d{4} [\d:.]+ \d+ \S+:\d+\] ")
@@ -86,7 +120,8 @@ def torchrun_args(nnodes, nproc_per_node, endpoint, max_restarts=0, run_id="note
             f"--max-restarts={max_restarts}", "--monitor-interval=0.5"]
 
 
-def run_nodes(program, nnodes=2, nproc_per_node=2, max_restarts=0, timeout=180, env=None, standalone=False):
+def run_nodes(program, nnodes=2, nproc_per_node=2, max_restarts=0, timeout=180, env=None, standalone=False,
+              stdin=None):
     """Start `nnodes` torchrun agents, each running `program` (e.g. ["-m", "ddp_helpers.train", ...])
     with `nproc_per_node` workers; wait for all of them; return their exit codes and output.
 
@@ -95,6 +130,9 @@ def run_nodes(program, nnodes=2, nproc_per_node=2, max_restarts=0, timeout=180, 
     timeout:      seconds; then every agent and worker is ended and NodesTimeout raised
                   (its `logs` hold what the nodes printed until then).
     env:          extra environment variables for the agents and their workers.
+    stdin:        text for node 0's standard input, which its workers inherit, as they would
+                  inherit your terminal's (what you would type into, e.g., a debugger there);
+                  by default every agent reads from /dev/null.
     """
     if standalone and nnodes != 1:
         raise ValueError(f"standalone means one node: nnodes must be 1, got {nnodes}")
@@ -105,6 +143,9 @@ def run_nodes(program, nnodes=2, nproc_per_node=2, max_restarts=0, timeout=180, 
     logdir = tempfile.mkdtemp(prefix="ddp_helpers-nodes-")
     logs = [os.path.join(logdir, f"node{n}.log") for n in range(nnodes)]
     codes = [os.path.join(logdir, f"node{n}.code") for n in range(nnodes)]
+    typed = os.path.join(logdir, "node0.stdin")
+    with open(typed, "w") as f:
+        f.write(stdin or "")
     # One shell starts every agent (so they share the namespace) and records each exit code.
     # A watchdog ends them all (SIGTERM: each agent then stops its workers) if we die.
     lines = [shlex.join(loopback_up_command()) if private else ":",
@@ -112,7 +153,9 @@ def run_nodes(program, nnodes=2, nproc_per_node=2, max_restarts=0, timeout=180, 
              "agents="]
     for n in range(nnodes):
         # TMPDIR: torchrun's own log folders land in ours, which we remove at the end.
-        lines.append(f"(TMPDIR={shlex.quote(logdir)} {shlex.join(agent)} > {shlex.quote(logs[n])} 2>&1; "
+        # An agent in the background reads /dev/null unless told otherwise (POSIX sh).
+        given = f" < {shlex.quote(typed)}" if n == 0 and stdin is not None else ""
+        lines.append(f"(TMPDIR={shlex.quote(logdir)} {shlex.join(agent)}{given} > {shlex.quote(logs[n])} 2>&1; "
                      f"echo $? > {shlex.quote(codes[n])}) &")
         lines.append('agents="$agents $!"')
     lines += ["wait $agents", "kill $watchdog 2>/dev/null", "exit 0"]

@@ -95,3 +95,22 @@ def test_ddp_sends_rank_0s_buffers_by_default_under_its_torch_2_13_name():
         assert ".. deprecated:: 2.13" in inspect.getsource(DDP)
         with pytest.warns(FutureWarning, match="`broadcast_buffers` is deprecated"):
             ddp_in_a_world_of_one(torch.nn.BatchNorm1d(2), broadcast_buffers=False)
+
+
+def test_nccl_async_error_handling_defaults_to_3_and_the_dump_switch_is_declared():
+    # Notebooks 11 and 12: TORCH_NCCL_ASYNC_ERROR_HANDLING's default is 3 (SkipCleanUp), and the
+    # Flight Recorder's dump is switched by TORCH_NCCL_DUMP_ON_TIMEOUT (its default, 1, is set in
+    # ProcessGroupNCCL.cpp, which the wheel does not ship: notebook 12 shows it measured on an H200).
+    header = os.path.join(os.path.dirname(torch.__file__), "include", "torch", "csrc", "distributed",
+                          "c10d", "ProcessGroupNCCL.hpp")
+    if not os.path.exists(header):
+        pytest.skip("this torch ships no C++ headers")
+    text = open(header).read()
+    assert "default value (3 - SkipCleanUp)" in text
+    assert re.search(r'TORCH_NCCL_DUMP_ON_TIMEOUT = \{\s*"TORCH_NCCL_DUMP_ON_TIMEOUT"\}', text)
+
+
+def test_torchrun_agent_tells_its_workers_whether_they_use_its_store():
+    # Notebook 11, "Two nodes, one job": the workers print TORCHELASTIC_USE_AGENT_STORE=True.
+    from torch.distributed.elastic.agent.server import local_elastic_agent
+    assert '"TORCHELASTIC_USE_AGENT_STORE": str(use_agent_store)' in inspect.getsource(local_elastic_agent)

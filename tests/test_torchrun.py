@@ -25,7 +25,7 @@ needs_private_network = pytest.mark.skipif(not torchrun.private_network_availabl
                                 reason="needs `unshare -rn` (a private network namespace) to run torchrun "
                                        "without opening ports on this machine")
 ENV_LINE = re.compile(r"RANK=(\d+) LOCAL_RANK=(\d+) GROUP_RANK=(\d+) WORLD_SIZE=(\d+) LOCAL_WORLD_SIZE=(\d+) "
-                      r"TORCHELASTIC_RESTART_COUNT=(\d+) all_reduce\(ones\)=(\d+)")
+                      r"TORCHELASTIC_RESTART_COUNT=(\d+) TORCHELASTIC_USE_AGENT_STORE=True all_reduce\(ones\)=(\d+)")
 
 
 @needs_private_network
@@ -217,3 +217,28 @@ def test_the_agents_private_network_needs_no_ip_command(tmp_path, monkeypatch):
     assert torchrun.private_network_available()
     out = torchrun.run_nodes(["-m", "ddp_helpers.env_report"], nnodes=1, nproc_per_node=1, timeout=seconds(60))
     assert out.ok and out.private_network, out.logs
+
+
+def test_shell_lines_put_one_option_per_line_and_read_back_as_the_same_command():
+    words = ["torchrun", "--nnodes=2", "--rdzv-endpoint=127.0.0.1:29400", "-m", "ddp_helpers.train",
+             "--checkpoint", "/tmp/a b/epoch-{epoch}.pt", "--lr", "-0.1", "--resume", "auto"]
+    text = torchrun.shell_lines(words)
+    assert text.splitlines() == ["torchrun \\", "    --nnodes=2 \\", "    --rdzv-endpoint=127.0.0.1:29400 \\",
+                                 "    -m ddp_helpers.train \\", "        --checkpoint '/tmp/a b/epoch-{epoch}.pt' \\",
+                                 "        --lr -0.1 \\", "        --resume auto"]
+    assert shlex.split(text.replace("\\\n", " ")) == words         # what a shell would run
+    script = torchrun.shell_lines(["torchrun", "--standalone", "debug_me.py", "--steps", "3"])
+    assert script.splitlines() == ["torchrun \\", "    --standalone \\", "    debug_me.py \\", "        --steps 3"]
+    result = torchrun.NodesResult([0], [""], True, torchrun.torchrun_args(2, 4, "node01:29500") + ["-m", "x"])
+    assert re.sub(r" \\\n +", " ", result.torchrun_lines) == result.torchrun
+    assert max(map(len, result.torchrun_lines.splitlines())) < 40
+
+
+@needs_private_network
+def test_stdin_goes_to_node_0_and_its_workers_only(tmp_path):
+    # notebook 12 types pdb commands into dist.breakpoint this way; every other agent reads /dev/null
+    script = tmp_path / "echo_stdin.py"
+    script.write_text("import sys\nprint('typed:', repr(sys.stdin.readline()), flush=True)\n")
+    out = torchrun.run_nodes([str(script)], nnodes=2, nproc_per_node=1, stdin="p x\n", timeout=seconds(90))
+    assert out.ok, out.logs
+    assert "typed: 'p x\\n'" in out.logs[0] and "typed: ''" in out.logs[1], out.logs

@@ -1,0 +1,92 @@
+"""What notebooks 11 (torchrun, several nodes) and 12 (debugging) show, checked outside the notebooks:
+py-spy as an optional tool that reads a stuck rank's C++ frames, dist.breakpoint under torchrun with
+typed input, and why a notebook's ranks cannot be debugged with it."""
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+try:
+    import tomllib
+except ImportError:   # Python 3.10
+    tomllib = None
+
+from conftest import REPO, seconds
+from ddp_helpers import launch, torchrun
+from ddp_helpers.launcher import loopback_interface
+
+needs_private_network = pytest.mark.skipif(not torchrun.private_network_available(),
+                                           reason="needs `unshare -rn` (a private network namespace)")
+
+
+@pytest.mark.skipif(tomllib is None, reason="needs tomllib (Python 3.11)")
+def test_py_spy_is_the_optional_debug_extra_that_notebook_12_names():
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    assert project["optional-dependencies"]["debug"] == ["py-spy"]
+    assert not any(d.startswith("py-spy") for d in project["dependencies"])      # optional: not required
+    with open(os.path.join(REPO, "notebooks", "12_debugging.ipynb")) as f:
+        assert 'pip install -e \\".[debug]\\"' in f.read()
+
+
+def py_spy():
+    return shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
+
+
+@pytest.mark.skipif(py_spy() is None, reason="py-spy is not installed (pip install -e '.[debug]')")
+def test_py_spy_shows_where_a_rank_waits_for_a_peer_that_never_comes(tmp_path):
+    # Notebook 12, "A hung process": rank 0 of 2 in init_process_group; the C++ frames name the wait.
+    waiter = ("import sys, torch.distributed as dist\nprint('waiting', flush=True)\n"
+              "dist.init_process_group('gloo', init_method='file://' + sys.argv[1], rank=0, world_size=2)\n")
+    stuck = subprocess.Popen([sys.executable, "-c", waiter, str(tmp_path / "rendezvous")], text=True,
+                             stdout=subprocess.PIPE, env={**os.environ, "GLOO_SOCKET_IFNAME": loopback_interface()})
+    try:
+        assert stuck.stdout.readline().strip() == "waiting"
+        deadline = time.monotonic() + seconds(10)
+        while True:   # until it is inside init_process_group's C++ part
+            seen = subprocess.run([py_spy(), "dump", "--native", "--pid", str(stuck.pid)], capture_output=True,
+                                  text=True, timeout=seconds(20))
+            if seen.returncode != 0:
+                pytest.skip(f"py-spy may not trace here: {seen.stderr.strip()[-200:]}")
+            if "connectFullMesh" in seen.stdout or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        dump = re.sub(r"\x1b\[[0-9;]*m", "", seen.stdout)
+        for frame in ("c10d::FileStore::wait", "gloo::rendezvous::Context::connectFullMesh", "init_process_group"):
+            assert frame in dump, dump
+    finally:
+        stuck.kill()
+        stuck.wait()
+
+
+def notebook_rank_stdin():
+    return os.isatty(0)
+
+
+def test_a_launched_rank_has_no_terminal_to_read():
+    # Notebook 12: dist.breakpoint reads /dev/stdin, and a notebook's ranks have no terminal behind it.
+    assert launch(notebook_rank_stdin, 1) == [False]
+
+
+@needs_private_network
+def test_dist_breakpoint_under_torchrun_reads_the_typed_commands(tmp_path):
+    # Notebook 12, "A debugger on one rank": rank 0 stops in pdb, rank 1 waits in the barrier.
+    script = tmp_path / "debug_me.py"
+    script.write_text("import torch, torch.distributed as dist\n"
+                      "dist.init_process_group('gloo')\n"
+                      "x = torch.full((2,), float(dist.get_rank()))\n"
+                      "dist.breakpoint(rank=0)\n"
+                      "dist.all_reduce(x)\n"
+                      "print(f'rank {dist.get_rank()}: {x.tolist()}', flush=True)\n"
+                      "dist.destroy_process_group()\n")
+    out = torchrun.run_nodes([str(script)], nnodes=1, nproc_per_node=2, standalone=True,
+                             stdin="up\np x\nc\n", timeout=seconds(60))
+    log = out.logs[0]
+    assert out.ok, log
+    assert "debug_me.py(4)<module>()" in log and "tensor([0., 0.])" in log          # rank 0's own x
+    assert log.count("(Pdb) ") == 3                                                 # one prompt per command
+    assert sorted(re.findall(r"rank \d: \[.*?\]", log)) == ["rank 0: [1.0, 1.0]", "rank 1: [1.0, 1.0]"]
