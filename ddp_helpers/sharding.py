@@ -1,5 +1,7 @@
-"""Plumbing for notebook 08 (sharding): count the bytes a rank holds, draw the
-ZeRO stages and the memory table, and check the "Try it" exercise.
+"""Plumbing for notebook 08 (sharding): count the bytes a rank holds, record what
+FSDP2 does in a step, in order (its hooks and the collectives they issue, with
+dtypes and bytes: `FsdpTrace`), draw the ZeRO stages and the memory table, and
+check the "Try it" exercise.
 
 The lesson's code (the ZeRO-1 step, `fully_shard`, the distributed checkpoint,
 the 2-D mesh) is in the notebook's cells, not here.
