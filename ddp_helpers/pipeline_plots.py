@@ -51,7 +51,8 @@ def timelines(runs, unit="ms", title=None, interleaved_p=None):
     handles = [Patch(color=_F, label="forward (micro-batch number)"), Patch(color=_B, label="backward")]
     if interleaved_p:
         handles += [Patch(color=_F2, label="forward, 2nd chunk"), Patch(color=_B2, label="backward, 2nd chunk")]
-    axes[0, 0].legend(handles=handles, fontsize=7, loc="upper right", ncol=len(handles))
+    axes[0, 0].legend(handles=handles, fontsize=7, loc="lower right", bbox_to_anchor=(1, 1.0),
+                      ncol=len(handles), frameon=False)
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
