@@ -116,3 +116,36 @@ def test_exact_accuracy_checker_names_each_wrong_answer(wrong, message):
 def test_exact_accuracy_checker_refuses_what_is_not_a_function():
     verdict = exercises.check_exact_accuracy(0.5)
     assert not verdict and "expected a function exact_accuracy(correct, n_images)" in repr(verdict)
+
+
+# ------------------------------------------------------------------ facts notebooks 05-07 state
+def test_high_priority_streams_are_what_notebook_07_says_in_the_installed_torch():
+    """07: TORCH_NCCL_HIGH_PRIORITY is read by ProcessGroupNCCL, and init_process_group's docstring
+    names the option is_high_priority_stream (the .cpp that ORs the two is not in the wheel)."""
+    import inspect
+    import os
+    header = os.path.join(os.path.dirname(torch.__file__), "include", "torch", "csrc", "distributed", "c10d",
+                          "ProcessGroupNCCL.hpp")
+    if os.path.exists(header):   # wheels ship the headers; a stripped install may not
+        assert '"TORCH_NCCL_HIGH_PRIORITY"' in open(header).read()
+    assert "is_high_priority_stream" in inspect.getdoc(dist.init_process_group)
+
+
+def test_notebooks_05_to_07_name_the_buffer_sync_as_the_installed_torch_does():
+    """DDP's forward_sync_buffers (broadcast_buffers before torch 2.13): no code or output of 07 shows
+    the old name, and 05 and 06 say that DDP sends rank 0's buffers before every forward."""
+    import inspect
+    import os
+    import nbformat
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from conftest import REPO
+    nb = lambda name: nbformat.read(os.path.join(REPO, "notebooks", name), as_version=4)
+    if "forward_sync_buffers" in inspect.signature(DDP).parameters:
+        for cell in nb("07_performance_lab.ipynb").cells:
+            outputs = "".join(str(o) for o in cell.get("outputs", []))
+            assert "broadcast_buffers" not in cell.source + outputs
+    text_05 = " ".join(c.source for c in nb("05_data_parallel.ipynb").cells).replace("\n", " ")
+    assert "broadcasts rank 0's buffers to every rank at the start of each forward" in text_05
+    assert "`forward_sync_buffers` since torch 2.13" in text_05
+    text_06 = " ".join(c.source for c in nb("06_ddp_cifar10.ipynb").cells).replace("\n", " ")
+    assert "again before every forward" in text_06
