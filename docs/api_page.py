@@ -28,6 +28,8 @@ SECTIONS = [
     ("The reference trainer", "ddp_helpers.train", True,
      ["run", "Config", "make_config", "setup", "Plain", "Trainer"]),
     ("The live training view", "ddp_helpers.live", True, ["train"]),
+    ("The tiny transformer of notebooks 09 and 10", "ddp_helpers.tiny_transformer", True,
+     ["Config", "TinyTransformer", "batch"]),
 ]
 PARAM = re.compile(r"^([A-Za-z_][\w.]*|\*\*?\w+):\s+(.*)$")
 
