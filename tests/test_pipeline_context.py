@@ -94,3 +94,35 @@ def _ring_of_sends():
 def test_counting_sends_counts_batch_isend_irecv_and_isend():
     results = launch(exercises.counting_sends, 3, args=(_ring_of_sends,), quiet=True)
     assert results == [(2, 12 + 20), (0, 12 + 20), (1, 12 + 20)]
+
+
+# ---- facts notebook 10 states from the installed torch's source (a release that changes them fails here)
+
+def _cp_attention_module():
+    import importlib
+    for name in ("torch.distributed.tensor.experimental._context_parallel._attention",
+                 "torch.distributed.tensor.experimental._attention"):
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    raise AssertionError("context parallel's _attention module moved")
+
+
+def test_1f1b_warms_up_with_p_minus_s_forwards():
+    import inspect
+    from torch.distributed.pipelining import Schedule1F1B
+    source = inspect.getsource(Schedule1F1B._step_microbatches)
+    assert "self._num_stages - self._stage.stage_index" in source and "warmup_chunks = min(" in source
+
+
+def test_context_parallel_rings_only_the_cuda_kernels_and_gathers_by_default():
+    import inspect
+    attention = _cp_attention_module()
+    assert attention._cp_options.rotate_method.name == "ALL_GATHER"
+    handler = inspect.getsource(attention._sdpa_handler)
+    for kernel in ("flash_attention", "efficient_attention", "cudnn_attention"):
+        assert f"_scaled_dot_product_{kernel}.default" in handler
+    assert "for_cpu" not in handler
+    assert "alltoall" in inspect.getsource(attention.set_rotate_method)
+    assert "_templated_ring_attention_backward" in dir(attention)
