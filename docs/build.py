@@ -110,7 +110,7 @@ def main():
         print("docs: notice: no npm, so the diagrams are shown as their Mermaid source text", file=sys.stderr)
     env = dict(os.environ, DOCS_MERMAID_JS=str(mermaid or ""))
     shutil.rmtree(OUT, ignore_errors=True)
-    done = subprocess.run([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html",
+    done = subprocess.run([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-j", "auto", "-b", "html",
                            "-d", str(DOCS / "_build" / "doctrees"), str(DOCS), str(OUT)], env=env)
     if done.returncode != 0:
         raise SystemExit(f"docs: Sphinx failed (exit {done.returncode}; warnings count as errors)")
