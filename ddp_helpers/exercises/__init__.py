@@ -775,16 +775,17 @@ def _mean_loss_in_rank(fn):
 
 
 @contextlib.contextmanager
-def _noting_calls(names):
+def _noting_calls(names, describe=None):
     """Inside a rank: while the block runs, each dist.<name> that exists notes its name, in call order
-    (the outermost call only: a collective built from others is noted once). Yields that list."""
+    (the outermost call only: a collective built from others is noted once). Yields that list.
+    describe(name, args, kwargs), if given, makes the note instead of the bare name."""
     calls, inside = [], []
     saved = {name: getattr(dist, name) for name in names if hasattr(dist, name)}
 
     def noting(name):
         def call(*args, **kwargs):
             if not inside:
-                calls.append(name)
+                calls.append(describe(name, args, kwargs) if describe else name)
             inside.append(name)
             try:
                 return saved[name](*args, **kwargs)

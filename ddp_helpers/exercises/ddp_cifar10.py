@@ -6,12 +6,10 @@ Gloo ranks with every collective wrapped, and the checker looks at the value eac
 and at the collectives each rank called (one all_reduce, SUM, of the counts).
 (check_steps_per_epoch, the notebook's earlier exercise, stays in `ddp_helpers.exercises`.)
 """
-import contextlib
-
 import torch
 import torch.distributed as dist
 
-from . import _COLLECTIVES, _STILL_A_STUB, HANG_TIMEOUT_S, Verdict, _launch_case, _op_name
+from . import _COLLECTIVES, _STILL_A_STUB, HANG_TIMEOUT_S, Verdict, _launch_case, _noting_calls, _op_name
 
 __all__ = ["check_exact_accuracy", "sampler_share"]
 
@@ -31,34 +29,12 @@ def sampler_share(n_images, world_size, rank, shuffle=True, seed=0):
                                    seed=seed))
 
 
-@contextlib.contextmanager
-def _recording_collectives():
-    """Inside a rank: while the block runs, every dist.<collective> notes (name, op, numbers) in call
-    order, the outermost call only (a collective built from others is noted once)."""
-    calls, inside = [], []
-    saved = {name: getattr(dist, name) for name in _COLLECTIVES if hasattr(dist, name)}
-
-    def noting(name):
-        def call(*args, **kwargs):
-            if not inside:
-                tensor = args[0] if args else kwargs.get("tensor")
-                op = kwargs.get("op", args[1] if len(args) > 1 and name in ("all_reduce",) else None)
-                calls.append((name, _op_name(op) if op is not None else "SUM" if name == "all_reduce" else None,
-                              tensor.numel() if isinstance(tensor, torch.Tensor) else None))
-            inside.append(name)
-            try:
-                return saved[name](*args, **kwargs)
-            finally:
-                inside.pop()
-        return call
-
-    for name in saved:
-        setattr(dist, name, noting(name))
-    try:
-        yield calls
-    finally:
-        for name, original in saved.items():
-            setattr(dist, name, original)
+def _describe(name, args, kwargs):
+    """A collective call as (name, op, numbers): what the checker compares."""
+    tensor = args[0] if args else kwargs.get("tensor")
+    op = kwargs.get("op", args[1] if len(args) > 1 and name == "all_reduce" else None)
+    return (name, _op_name(op) if op is not None else "SUM" if name == "all_reduce" else None,
+            tensor.numel() if isinstance(tensor, torch.Tensor) else None)
 
 
 def _accuracy_in_rank(fn, n_images, shuffle):
@@ -67,7 +43,7 @@ def _accuracy_in_rank(fn, n_images, shuffle):
     returned: ("number", x) or ("other", repr, type), the collectives it called)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     correct = _truth(n_images)[sampler_share(n_images, world_size, rank, shuffle)]
-    with _recording_collectives() as calls:
+    with _noting_calls(_COLLECTIVES, _describe) as calls:
         got = fn(correct.clone(), n_images)
     if isinstance(got, torch.Tensor) and got.numel() == 1 and not got.dtype == torch.bool:
         got = got.item()

@@ -95,8 +95,8 @@ def check_slowest_rank(fn):
             if got_rank != want_rank:
                 why = (" (its own rank number)" if got_rank == rank and rank != want_rank else "")
                 if tie:
-                    why += (f"; ranks share the slowest time here: return the lowest of them "
-                            f"(ReduceOp.MIN over the ranks that have it)")
+                    why += ("; ranks share the slowest time here: return the lowest of them "
+                            "(ReduceOp.MIN over the ranks that have it)")
                 problems.append(f"{label}, rank {rank}: the time is right, but the slowest rank is "
                                 f"{want_rank}, not {got_rank}{why}")
                 break
