@@ -8,26 +8,7 @@ import time
 import torch
 import torch.distributed as dist
 
-# torch 2.14 renamed the one-tensor forms of two collectives (the old names still work there, with
-# a FutureWarning); torch 2.11 has only the old names. Notebook 03 shows both names in its cells.
-RENAMED = {"all_gather_single": "all_gather_into_tensor", "reduce_scatter_single": "reduce_scatter_tensor"}
-
-
-def renamed(new_name):
-    """dist.<new_name> where this torch has it, else the same collective under its old name."""
-    return getattr(dist, new_name, None) or getattr(dist, RENAMED[new_name])
-
-
-def barrier(device=None, group=None):
-    """dist.barrier(), naming this rank's GPU under NCCL (else NCCL guesses which GPU, and warns).
-
-    device: the rank's torch.device; None means the current CUDA device.
-    """
-    if dist.get_backend(group) != "nccl":
-        dist.barrier(group)
-        return
-    index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
-    dist.barrier(group, device_ids=[index])
+from .compat import RENAMED, barrier, renamed  # noqa: F401 (notebooks and bench use them from here)
 
 
 def _support_probes(n, rank, device):

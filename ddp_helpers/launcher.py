@@ -27,10 +27,9 @@ import time
 
 import torch.distributed as dist
 
-from . import machine, private_net
+from . import compat, machine, private_net
 from .cells import dumps, dumps_with_sources
 from .supervisor import Supervisor, describe_exit, interrupted
-from .supervisor import Rendezvous, loopback_interface, worker_env  # noqa: F401 (used from here elsewhere)
 from .worker import WorkerJob, error_file, no_group_file, rendezvous_file, result_file, run_worker
 
 BACKENDS = ("gloo", "nccl", "auto")
@@ -193,11 +192,11 @@ def resolve_backend(backend, world_size):
         raise ValueError(f"unknown backend {backend!r}: choose one of {', '.join(map(repr, BACKENDS))}")
     gpus = machine.gpu_count()
     if backend == "auto":
-        return "nccl" if gpus >= world_size and dist.is_nccl_available() else "gloo"
+        return "nccl" if compat.one_gpu_per_rank(world_size, gpus) else "gloo"
     if backend == "nccl":
         if not dist.is_nccl_available():
             raise ValueError("backend='nccl' is not available in this torch build; use 'gloo'")
-        if gpus < world_size:
+        if not compat.one_gpu_per_rank(world_size, gpus):
             raise ValueError(f"backend='nccl' needs one CUDA GPU per rank: world_size={world_size} "
                              f"but this machine has {gpus} GPU(s). Use backend='gloo' or 'auto'.")
     return backend

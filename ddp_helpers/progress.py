@@ -5,9 +5,15 @@ alone prints. A metric message is one line, METRICS_PREFIX + JSON, which the liv
 (ddp_helpers.live) takes out of the output stream and draws; other lines reach the notebook as they are.
 """
 import json
+import os
 import sys
 
 METRICS_PREFIX = "@@ddp_helpers.metrics "
+
+
+def restart_count():
+    """How many times torchrun has restarted the worker group (0 outside torchrun)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 class Log:

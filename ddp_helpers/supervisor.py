@@ -27,7 +27,6 @@ import multiprocessing.spawn
 import os
 import re
 import signal
-import socket
 import sys
 import time
 
@@ -35,6 +34,7 @@ import psutil
 import torch.multiprocessing
 
 from . import forkserver, machine, private_net
+from .compat import loopback_interface
 from .rank_io import MARK
 from .run_dirs import new_run_dir, process_alive, release_run_dir
 from .store_host import Rendezvous, StoreHost  # noqa: F401 (Rendezvous: used from here elsewhere)
@@ -291,12 +291,6 @@ def remove_scratch(run_dir, n):
 
 
 # ------------------------------------------------------ environment and store
-def loopback_interface():
-    """Name of the loopback network interface ('lo' on Linux, 'lo0' on macOS)."""
-    names = [name for _, name in socket.if_nameindex()]
-    return next((n for n in ("lo", "lo0") if n in names), "lo")
-
-
 def worker_env(world_size, master_port, extra_env=None):
     """The environment each worker gets: the kernel's own, plus what torchrun sets.
 

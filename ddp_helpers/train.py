@@ -11,7 +11,7 @@ evaluate its share of the test set and sum the counts over ranks. Rank 0 saves c
 The choices that a speed layer may replace (model, DDP wrapper, data loaders and batches, optimizer, the
 step, prediction) are the methods of `Plain`; `ddp_helpers.speed.Speedups` is such a layer.
 """
-import dataclasses, errno, glob, io, math, os, pathlib, re, signal, stat, sys, tempfile, time, warnings
+import dataclasses, errno, io, math, os, signal, stat, sys, time, warnings
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -23,9 +23,9 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset
 from torchvision.transforms import v2
 
 from . import data, machine, models, settings as settings_
-from .collectives import barrier  # dist.barrier() that names this rank's GPU under NCCL
-from .launcher import loopback_interface
-from .progress import METRICS_PREFIX, Log, say  # noqa: F401 (METRICS_PREFIX: for live)
+from .compat import barrier, loopback_interface, one_gpu_per_rank  # what torch versions differ in
+from .files import atomic_write, nearest_folder, newest_file, why_unwritable
+from .progress import METRICS_PREFIX, Log, restart_count, say  # noqa: F401 (METRICS_PREFIX: for live)
 
 option = settings_.option
 
@@ -89,10 +89,8 @@ def checkpoint_checks(template):
     if os.path.isdir(path):
         return [(False, f"checkpoint={template!r} is a folder: name a file in it, "
                         f"e.g. {os.path.join(template, 'epoch-{epoch}.pt')}")]
-    folder = nearest_folder(os.path.dirname(path))
-    why = ("not a folder" if not os.path.isdir(folder) else
-           "no permission, or a read-only file system" if not os.access(folder, os.W_OK | os.X_OK) else None)
-    return [(why is None, f"checkpoint={template!r}: cannot write in {folder} ({why})")]
+    why = why_unwritable(os.path.dirname(path))
+    return [(why is None, f"checkpoint={template!r}: {why}")]
 
 
 def make_config(**settings):
@@ -113,8 +111,7 @@ def setup(cfg):
     made = not dist.is_initialized()
     if made:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        gpu = (cfg.device != "cpu" and torch.cuda.is_available()
-               and torch.cuda.device_count() >= local_world)
+        gpu = cfg.device != "cpu" and one_gpu_per_rank(local_world)  # NCCL: a GPU for each rank
         if gpu:
             torch.cuda.set_device(local_rank)  # before init: NCCL binds this rank to its own GPU
         if "RANK" in os.environ:
@@ -365,57 +362,28 @@ def save_checkpoint(t, path, epoch):
 
 
 def write_privately(state, path):
-    """torch.save to a temporary file of our own in the same folder, then rename it (atomic): a
-    reader sees the old file or the new one, never half of one, and two writers never share a
-    temporary file. Only the owner may read it (0600, a new folder 0700) unless the learner chose
-    a shared folder: one with the setgid bit (`chmod g+s`, as a group's folder is set up); there
-    the umask decides, as for any file."""
+    """torch.save to a temporary file of our own, renamed over `path` (`files.atomic_write`): a
+    reader sees the old file or the new one, never half of one. Only the owner may read it (0600,
+    a new folder 0700) unless the learner chose a shared folder: one with the setgid bit
+    (`chmod g+s`, as a group's folder is set up); there the umask decides, as for any file."""
     folder = os.path.dirname(os.path.abspath(path))
-    shared = nearest_folder(folder).stat().st_mode & stat.S_ISGID
-    os.makedirs(folder, mode=0o777 if shared else 0o700, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=folder)  # 0600
+    shared = bool(nearest_folder(folder).stat().st_mode & stat.S_ISGID)
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
     try:
-        buffer = io.BytesIO()
-        torch.save(state, buffer)
-        with os.fdopen(handle, "wb") as f:
+        with atomic_write(path, shared=shared) as f:
             f.write(buffer.getbuffer())  # a full disk raises ENOSPC here (torch.save hides it)
-        if shared:
-            umask = os.umask(0o022)
-            os.umask(umask)
-            os.chmod(temporary, 0o666 & ~umask)
-        os.replace(temporary, path)
-    except BaseException as err:
-        os.unlink(temporary)  # nothing left behind
-        if getattr(err, "errno", None) == errno.ENOSPC:
-            message = f"checkpoint not saved: the disk is full ({folder})"
-            raise OSError(errno.ENOSPC, message) from err
+    except OSError as err:
+        if err.errno == errno.ENOSPC:
+            raise OSError(errno.ENOSPC, f"checkpoint not saved: the disk is full ({folder})") from err
         raise
-
-
-def nearest_folder(folder):
-    """The folder, or its nearest ancestor that exists."""
-    folder = pathlib.Path(folder)
-    while not folder.exists():
-        folder = folder.parent
-    return folder
-
-
-def newest_checkpoint(pattern):
-    """Of the files `pattern` names ({epoch} in it, or one fixed name), the highest epoch's; or None."""
-    parts = re.split(r"\{epoch(?::[^}]*)?\}", pattern)
-    if len(parts) == 1:
-        return pattern if os.path.isfile(pattern) else None
-    number = re.compile(r"(\d+)".join(map(re.escape, parts)) + "$")
-    found = {int(m.group(1)): path for path in glob.glob("*".join(map(glob.escape, parts)))
-             if (m := number.match(path))}
-    return found[max(found)] if found else None
 
 
 def find_resume(t):
     """The checkpoint to load, or None. For --resume auto rank 0 looks and tells the others."""
     if t.cfg.resume != "auto":
         return t.cfg.resume
-    choice = [newest_checkpoint(t.cfg.checkpoint) if t.rank == 0 else None]
+    choice = [newest_file(t.cfg.checkpoint) if t.rank == 0 else None]
     dist.broadcast_object_list(choice, src=0)
     if choice[0] is None:
         t.log.tell(None, "resume auto: no checkpoint yet, starting from scratch")
@@ -455,12 +423,6 @@ def load_checkpoint(t, path):
 def settings_of(param_groups):
     """An optimizer's settings (learning rates, momentum, ...), without its parameters and current lr."""
     return [{k: v for k, v in group.items() if k not in ("params", "lr")} for group in param_groups]
-
-
-# ------------------------------------------------------------ small helpers
-def restart_count():
-    """How many times torchrun has restarted the worker group (0 outside torchrun)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 # ---------------------------------------------------------------- 10. CLI

@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from ddp_helpers import data, machine
-from ddp_helpers.launcher import launch, loopback_interface
+from ddp_helpers.compat import loopback_interface
+from ddp_helpers.launcher import launch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIME_SCALE = float(os.environ.get("DDP_HELPERS_TEST_TIME_SCALE", "3"))

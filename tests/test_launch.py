@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from ddp_helpers import WorkerError, WorkerTimeout, launch
 from ddp_helpers import launcher as launch_module
+from ddp_helpers import store_host
 from ddp_helpers import run_dirs as run_dirs_module
 from conftest import REPO, needs_2_gpus, seconds
 
@@ -395,7 +396,7 @@ def test_auto_backend_picks_gloo_without_gpus():
 # ---- nothing left behind ----
 def test_store_listens_on_loopback_only():
     listeners = {}
-    with launch_module.Rendezvous() as rdzv:
+    with store_host.Rendezvous() as rdzv:
         for table in ("/proc/net/tcp", "/proc/net/tcp6"):
             with open(table) as f:
                 for row in f.readlines()[1:]:

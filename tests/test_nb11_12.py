@@ -17,7 +17,7 @@ except ImportError:   # Python 3.10
 
 from conftest import REPO, seconds
 from ddp_helpers import launch, torchrun
-from ddp_helpers.launcher import loopback_interface
+from ddp_helpers.compat import loopback_interface
 
 needs_private_network = pytest.mark.skipif(not torchrun.private_network_available(),
                                            reason="needs `unshare -rn` (a private network namespace)")

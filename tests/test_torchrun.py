@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from conftest import REPO, needs_mini, seconds
-from ddp_helpers import launch, train, torchrun
+from ddp_helpers import files, launch, train, torchrun
 from ddp_helpers.run_dirs import process_alive
 
 needs_private_network = pytest.mark.skipif(not torchrun.private_network_available(),
@@ -162,18 +162,18 @@ def test_fault_and_resume_options_are_checked(capsys):
     assert "--fail-at-step FAIL_AT_STEP" in capsys.readouterr().out
 
 
-def test_newest_checkpoint_is_the_highest_epoch(tmp_path):
+def test_newest_file_is_the_highest_epoch(tmp_path):
     pattern = str(tmp_path / "run[1]" / "epoch-{epoch}.pt")   # glob characters in the folder name too
-    assert train.newest_checkpoint(pattern) is None
+    assert files.newest_file(pattern) is None
     os.makedirs(tmp_path / "run[1]")
     for epoch in (2, 10, 9):
         (tmp_path / "run[1]" / f"epoch-{epoch}.pt").write_bytes(b"")
     (tmp_path / "run[1]" / "epoch-11.pt.tmp").write_bytes(b"")        # a write that never finished
-    assert train.newest_checkpoint(pattern) == str(tmp_path / "run[1]" / "epoch-10.pt")
+    assert files.newest_file(pattern) == str(tmp_path / "run[1]" / "epoch-10.pt")
     fixed = tmp_path / "last.pt"
-    assert train.newest_checkpoint(str(fixed)) is None
+    assert files.newest_file(str(fixed)) is None
     fixed.write_bytes(b"")
-    assert train.newest_checkpoint(str(fixed)) == str(fixed)
+    assert files.newest_file(str(fixed)) == str(fixed)
 
 
 def test_slurm_example_is_a_valid_multi_node_torchrun_command():
