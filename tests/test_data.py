@@ -1,4 +1,5 @@
-"""ddp_helpers.data: both sources, the error without data, sharding, augmentation on the device."""
+"""ddp_helpers.data (both sources, the error without data, augmentation) and the speed layer's
+DeviceLoader (sharding, augmentation on the device)."""
 import hashlib
 import os
 import pickle
@@ -13,7 +14,8 @@ import torchvision
 from PIL import Image
 
 from ddp_helpers import data
-from ddp_helpers.data import DataNotFoundError, DeviceLoader, Split
+from ddp_helpers.data import DataNotFoundError, Split
+from ddp_helpers.speed.device_loader import DeviceLoader
 from conftest import MINI, needs_mini, seconds
 
 

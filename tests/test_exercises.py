@@ -485,9 +485,9 @@ def exits(n, b, w):
 
 def patches_the_loaders_and_answers_0(n, b, w):
     import torch.utils.data
-    from ddp_helpers import data
+    from ddp_helpers.speed.device_loader import DeviceLoader
     torch.utils.data.DataLoader.__len__ = lambda self: 0
-    data.DeviceLoader.__len__ = lambda self: 0
+    DeviceLoader.__len__ = lambda self: 0
     return 0
 
 
@@ -495,16 +495,16 @@ def test_steps_per_epoch_checker_survives_exits_and_patches(monkeypatch):
     """The learner's function runs in a rank: sys.exit is a verdict, and neither the kernel's patches
     of the loaders nor the function's own change the expected values or stay in the kernel."""
     import torch.utils.data
-    from ddp_helpers import data
+    from ddp_helpers.speed.device_loader import DeviceLoader
     exited = exercises.check_steps_per_epoch(exits)
     assert not exited and "10000 images, 128 per rank, 1 ranks: exits raised SystemExit: 3" in repr(exited)
-    loader_len, device_len = torch.utils.data.DataLoader.__len__, data.DeviceLoader.__len__
+    loader_len, device_len = torch.utils.data.DataLoader.__len__, DeviceLoader.__len__
     monkeypatch.setattr(torch.utils.data.DataLoader, "__len__", lambda self: 0)   # in the kernel
-    monkeypatch.setattr(data.DeviceLoader, "__len__", lambda self: 0)
+    monkeypatch.setattr(DeviceLoader, "__len__", lambda self: 0)
     zero = exercises.check_steps_per_epoch(patches_the_loaders_and_answers_0)
     assert not zero and "10000 images, 128 per rank, 2 ranks: expected 39 steps, got 0" in repr(zero), repr(zero)
     monkeypatch.undo()
-    assert (torch.utils.data.DataLoader.__len__, data.DeviceLoader.__len__) == (loader_len, device_len)
+    assert (torch.utils.data.DataLoader.__len__, DeviceLoader.__len__) == (loader_len, device_len)
     raises = exercises.check_steps_per_epoch(lambda n, b, w: n // 0)
     assert not raises and "raised ZeroDivisionError" in repr(raises)
 

@@ -339,7 +339,7 @@ def test_test_time_augmentation_averages_the_right_views():
 @needs_mini
 def test_device_loader_or_the_reference_data_loader():
     _, t = run_and_keep(**SMALL, epochs=1, crop_pad=2, flip="alternate")
-    assert isinstance(t.train_loader, data.DeviceLoader) and isinstance(t.test_loader, data.DeviceLoader)
+    assert isinstance(t.train_loader, speed.DeviceLoader) and isinstance(t.test_loader, speed.DeviceLoader)
     assert (t.train_loader.pad, t.train_loader.flip, t.train_loader.batch_size) == (2, "alternate", 10)
     record, t = run_and_keep(**SMALL, epochs=1, device_loader=False)
     assert isinstance(t.train_loader, DataLoader) and isinstance(t.train_loader.sampler, DistributedSampler)
