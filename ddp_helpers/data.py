@@ -18,7 +18,6 @@ import functools
 import hashlib
 import os
 import socket
-import tempfile
 import threading
 import urllib.parse
 from typing import NamedTuple
@@ -27,7 +26,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .collectives import barrier
+from .compat import barrier
+from .files import atomic_write
 
 ENV_VAR = "DDP_HELPERS_CIFAR10"
 CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
@@ -177,20 +177,13 @@ def _cache_file(folder, split, samples):
 
 
 def _save_atomically(obj, path):
-    """Write to a temporary name, then rename: a reader never sees half a file. Only the owner can
-    read it (a new folder 0700, the file 0600), as with every file ddp_helpers writes."""
+    """The cache file, written whole or not at all (`files.atomic_write`: only the owner can read it,
+    as with every file ddp_helpers writes)."""
     try:
-        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-        handle, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=os.path.dirname(path))  # 0600
-    except OSError:  # a read-only home: no cache, decode every time
-        return
-    try:
-        with os.fdopen(handle, "wb") as f:
+        with atomic_write(path) as f:
             torch.save(obj, f)
-        os.replace(tmp, path)
-    except OSError:  # a full disk: no cache, and no half file left behind
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+    except OSError:  # a read-only home or a full disk: no cache, decode every time (no half file left)
+        pass
 
 
 # ------------------------------------------------------------ torchvision's copy

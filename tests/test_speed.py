@@ -462,12 +462,19 @@ def test_ddp_settings_reach_ddp_and_a_bf16_hook_trains(two_ranks):
         assert 1e-6 < bf16["max_diff"] < 0.02 * bf16["max_grad"], bf16
 
 
-def test_version_dependent_ddp_options_follow_the_signature_of_ddp():
+def test_version_dependent_ddp_options_follow_the_signature_of_ddp(monkeypatch):
     accepted = inspect.signature(DDP.__init__).parameters
-    assert speed.version_dependent_ddp_options(speed.Speedups()) == (
+    passed = []
+    monkeypatch.setattr(speed.speedups, "DDP", lambda model, **options: passed.append(options) or model)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)   # wrap makes DDP only with peers
+    speed.Speedups().wrap(models.FastNet(8), torch.device("cpu"))
+    assert {k: v for k, v in passed[-1].items() if k in ("batched_grad_copy", "forward_sync_buffers",
+                                                          "broadcast_buffers")} == (
         {"batched_grad_copy": True} if "batched_grad_copy" in accepted else {})
-    options = speed.version_dependent_ddp_options(speed.Speedups(broadcast_buffers=False, batched_grad_copy=False))
-    assert options == {"forward_sync_buffers" if "forward_sync_buffers" in accepted else "broadcast_buffers": False}
+    speed.Speedups(broadcast_buffers=False, batched_grad_copy=False).wrap(models.FastNet(8), torch.device("cpu"))
+    assert {k: v for k, v in passed[-1].items() if k in ("batched_grad_copy", "forward_sync_buffers",
+                                                          "broadcast_buffers")} == (
+        {"forward_sync_buffers" if "forward_sync_buffers" in accepted else "broadcast_buffers": False})
 
 
 @pytest.mark.parametrize("batched", [True, False])

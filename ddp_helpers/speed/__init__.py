@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 # Names of the package's modules, found there when first asked for (module __getattr__, PEP 562).
 _HOMES = {"DeviceLoader": "device_loader", "Lookahead": "lookahead", "CapturedStep": "cuda_graph",
           **{name: "speedups" for name in ("Speedups", "SPEED_OPTIONS", "COMM_HOOKS", "speed_checks", "step",
-                                           "predict", "param_groups", "version_dependent_ddp_options")}}
+                                           "predict", "param_groups")}}
 _MODULES = ("speedups", "device_loader", "lookahead", "cuda_graph")
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import inspect
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -25,6 +24,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .. import data, models, train
+from ..compat import ddp_options
 from ..settings import option
 from .cuda_graph import CapturedStep, side_stream
 from .device_loader import DeviceLoader
@@ -107,7 +107,7 @@ class Speedups(train.Plain):
                 # gradient_as_bucket_view: gradients live inside DDP's buckets, saving a copy out of them
                 model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                             gradient_as_bucket_view=True, bucket_cap_mb=self.bucket_cap_mb,
-                            **version_dependent_ddp_options(self))
+                            **ddp_options(self.broadcast_buffers, self.batched_grad_copy))
                 if COMM_HOOKS[self.comm_hook]:
                     model.register_comm_hook(None, COMM_HOOKS[self.comm_hook])
         return torch.compile(model) if self.compile else model
@@ -186,27 +186,6 @@ def param_groups(model: torch.nn.Module, lr: float, weight_decay: float, norm_bi
         return [dict(params=trained, lr=lr, weight_decay=weight_decay)]
     return [dict(params=[p for p in trained if id(p) not in norm_shifts], lr=lr, weight_decay=weight_decay),
             dict(params=shifts, lr=lr * norm_bias_lr, weight_decay=weight_decay / norm_bias_lr)]
-
-
-def version_dependent_ddp_options(speedups: Speedups) -> dict[str, bool]:
-    """DDP arguments whose spelling or existence depends on the installed PyTorch.
-
-    - Broadcasting rank 0's buffers before every forward: on by default; torch 2.13 renamed the
-      argument from broadcast_buffers to forward_sync_buffers (the old name warns; torch 2.11 has
-      only it). One difference: broadcast_buffers=False also skips the buffers' broadcast when DDP
-      wraps the model, forward_sync_buffers=False does not (here every rank builds the same
-      buffers, so both start equal).
-    - batched_grad_copy (torch 2.12+): DDP's autograd hooks copy each new gradient into its bucket,
-      one small kernel per parameter (62 for ResNet-18). With it, the copies of a bucket wait until
-      the bucket is full and run as one foreach copy and one division: fewer, larger kernels.
-    """
-    accepted = inspect.signature(DDP.__init__).parameters
-    options = {}
-    if not speedups.broadcast_buffers:
-        options["forward_sync_buffers" if "forward_sync_buffers" in accepted else "broadcast_buffers"] = False
-    if speedups.batched_grad_copy and "batched_grad_copy" in accepted:
-        options["batched_grad_copy"] = True
-    return options
 
 
 # ------------------------------------------------------------ the settings' checks
