@@ -115,4 +115,6 @@ def batch(cfg=None, batch_size=8, seed=0):
     start = torch.randint(cfg.vocab, (batch_size, 1), generator=g)
     step = torch.randint(1, 8, (batch_size, 1), generator=g)
     seq = (start + step * torch.arange(cfg.seq_len + 1)) % cfg.vocab
-    return seq[:, :-1], seq[:, 1:]
+    # Each its own contiguous tensor: torch 2.11's pipelining refuses a stage input whose strides
+    # differ from the shape's own (a slice of `seq` has rows of seq_len + 1).
+    return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()

@@ -375,7 +375,8 @@ def write_privately(state, path):
             f.write(buffer.getbuffer())  # a full disk raises ENOSPC here (torch.save hides it)
     except OSError as err:
         if err.errno == errno.ENOSPC:
-            raise OSError(errno.ENOSPC, f"checkpoint not saved: the disk is full ({folder})") from err
+            message = f"checkpoint not saved: the disk is full ({folder})"
+            raise OSError(errno.ENOSPC, message) from err
         raise
 
 
