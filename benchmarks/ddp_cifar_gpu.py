@@ -56,14 +56,16 @@ def parse_args(argv=None):
     p.add_argument("--out", help="folder for the CSV and JSON (default notebooks/reference, or a "
                                  "temporary folder with --quick)")
     p.add_argument("--gpus", type=int, default=2, help="GPUs for the multi-GPU runs")
-    p.add_argument("--repeats", type=int, default=6, help="ResNet-18 runs per GPU count (the 1-GPU figure varies ~0.5%% run to run)")
+    p.add_argument("--repeats", type=int, default=6,
+                   help="ResNet-18 runs per GPU count (the 1-GPU figure varies ~0.5%% run to run)")
     p.add_argument("--steps", type=int, default=400, help="ResNet-18 steps per run")
     p.add_argument("--warmup-steps", type=int, default=50, help="ResNet-18 steps not counted")
     p.add_argument("--runs", type=int, default=5, help="timed fast-net runs (seeds) per GPU count")
     p.add_argument("--fast-epochs", type=int, help="fast-net epochs (default: the recipe's)")
     p.add_argument("--quick", action="store_true", help="CPU, Gloo, tiny sizes: a check of the script")
     p.add_argument("--resnet-set", action="append", default=[], metavar="NAME=VALUE",
-                   help="change a ResNet-18 setting (train.Config or speed.Speedups), e.g. bucket_cap_mb=10; repeatable")
+                   help="change a ResNet-18 setting (train.Config or speed.Speedups), e.g. bucket_cap_mb=10; "
+                        "repeatable")
     p.add_argument("--fast-set", action="append", default=[], metavar="NAME=VALUE",
                    help="change a fast-net setting, e.g. epochs=14; repeatable")
     args = p.parse_args(argv)
@@ -255,7 +257,8 @@ def main(argv=None):
     print(f"\nResNet-18, {batch} images per GPU: {summary['resnet18_images_per_s_1gpu']:,.0f} images/s on 1 GPU, "
           f"{summary[f'resnet18_images_per_s_{n}gpu']:,.0f} on {n}: scaling efficiency "
           f"{summary['resnet18_scaling_efficiency']:.3f} (means of {args.repeats} runs; best runs: "
-          f"{summary['resnet18_images_per_s_best_1gpu']:,.0f} and {summary[f'resnet18_images_per_s_best_{n}gpu']:,.0f}, "
+          f"{summary['resnet18_images_per_s_best_1gpu']:,.0f} and "
+          f"{summary[f'resnet18_images_per_s_best_{n}gpu']:,.0f}, "
           f"{summary['resnet18_scaling_efficiency_best']:.3f})")
     for g in (n, 1):
         print(f"fast net on {g} GPU(s): {summary[f'fastnet_accuracy_mean_{g}gpu']:.2%} "

@@ -133,7 +133,8 @@ def run_nccl_tests(path, gpus, max_bytes, iters, warmup, graph, timeout):
         env["LD_LIBRARY_PATH"] = lib + os.pathsep + env.get("LD_LIBRARY_PATH", "")
     print("    " + " ".join(command) + (f"  (LD_LIBRARY_PATH starts with {lib})" if lib else ""), flush=True)
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
-    output = f"### {' '.join(command)}\n### LD_LIBRARY_PATH={env.get('LD_LIBRARY_PATH', '')}\n{done.stdout}{done.stderr}"
+    output = (f"### {' '.join(command)}\n### LD_LIBRARY_PATH={env.get('LD_LIBRARY_PATH', '')}\n"
+              f"{done.stdout}{done.stderr}")
     print(done.stdout, flush=True)
     if done.returncode != 0:
         raise RuntimeError(f"all_reduce_perf exited with {done.returncode}: {done.stderr[-500:]}")

@@ -41,7 +41,8 @@ def main():
         for row in table:
             print(name, row)
         reference.save(name, table, meta_for(hardware if device == "cuda" else f"CPU of the {hardware} host",
-                                              interconnect if device == "cuda" else "loopback TCP (Gloo's only transport here)",
+                                              interconnect if device == "cuda"
+                                              else "loopback TCP (Gloo's only transport here)",
                                               backend), args.out)
     support = []
     for backend in ("gloo", "nccl"):

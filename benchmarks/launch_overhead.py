@@ -31,7 +31,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from ddp_helpers import launch, machine  # noqa: E402
-from ddp_helpers.forkserver import EARLY_ENV_VAR  # noqa: E402
+from ddp_helpers.runtime.forkserver import EARLY_ENV_VAR  # noqa: E402
 
 HERE = os.path.abspath(__file__)
 

@@ -89,7 +89,8 @@ def main(argv=None):
         with contextlib.redirect_stdout(printed):
             accuracy = airbench.main(run)
         if run != "warmup":
-            runs.append({"run": run, "test_accuracy": float(accuracy), "seconds": seconds_from_its_table(printed.getvalue())})
+            runs.append({"run": run, "test_accuracy": float(accuracy),
+                         "seconds": seconds_from_its_table(printed.getvalue())})
             print(f"airbench94 run {run}: {accuracy:.2%} in {runs[-1]['seconds']:.2f} s", flush=True)
     accuracies, seconds = [r["test_accuracy"] for r in runs], [r["seconds"] for r in runs]
     report = {"what": "airbench94 (the public single-GPU CIFAR-10 speed record trainer) on the same data copy, "
@@ -102,8 +103,10 @@ def main(argv=None):
                      "already on the GPU (per-epoch evaluations not counted)",
               "gpus": 1, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "machine": describe_machine(), "data": describe_data(args.data), "runs": runs,
-              "accuracy_mean": statistics.mean(accuracies), "accuracy_std": statistics.stdev(accuracies) if len(runs) > 1 else 0.0,
-              "seconds_mean": statistics.mean(seconds), "seconds_std": statistics.stdev(seconds) if len(runs) > 1 else 0.0}
+              "accuracy_mean": statistics.mean(accuracies),
+              "accuracy_std": statistics.stdev(accuracies) if len(runs) > 1 else 0.0,
+              "seconds_mean": statistics.mean(seconds),
+              "seconds_std": statistics.stdev(seconds) if len(runs) > 1 else 0.0}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "airbench94_same_session.json"), "w") as f:
         json.dump(report, f, indent=1)

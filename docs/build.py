@@ -97,7 +97,8 @@ def check_links(root=OUT):
             elif parts.fragment and target.suffix == ".html":
                 ids = pages[target].ids if target in pages else set()
                 if unquote(parts.fragment) not in ids:
-                    problems.append(f"{page.relative_to(root)}: no anchor #{parts.fragment} in {target.relative_to(root)}")
+                    problems.append(f"{page.relative_to(root)}: no anchor #{parts.fragment} "
+                                    f"in {target.relative_to(root)}")
     return len(pages), problems
 
 

@@ -14,7 +14,8 @@ project = "Hands-on distributed PyTorch"
 author = "the course's authors"
 copyright = "the course's authors"
 extensions = ["myst_nb"]
-exclude_patterns = ["_build", "_files", "_vendor", "_static_gen", "_readme.md", "**.ipynb_checkpoints", "Thumbs.db", ".DS_Store"]
+exclude_patterns = ["_build", "_files", "_vendor", "_static_gen", "_readme.md", "**.ipynb_checkpoints",
+                    "Thumbs.db", ".DS_Store"]
 root_doc = "index"
 
 # The notebooks are never run here: the pages show the committed outputs (the ones CI re-produces).

@@ -76,7 +76,8 @@ def replace_widgets(nb):
         cell["outputs"] = outputs
         images = _images(cell)
         if images:
-            last_image = {"output_type": "display_data", "metadata": {}, "data": {"image/png": images[-1]["data"]["image/png"]}}
+            last_image = {"output_type": "display_data", "metadata": {},
+                          "data": {"image/png": images[-1]["data"]["image/png"]}}
         previous_code = cell
     nb["metadata"].pop("widgets", None)
     return replaced

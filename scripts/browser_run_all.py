@@ -37,7 +37,8 @@ def main():
         raise SystemExit(f"cannot drive the browser: {err}")
     from playwright.sync_api import sync_playwright
 
-    notebooks = sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb") if p.name[:2].isdigit() or p.name.startswith("A"))
+    notebooks = sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb")
+                       if p.name[:2].isdigit() or p.name.startswith("A"))
     if args.numbers:
         notebooks = [n for n in notebooks if n[:2] in args.numbers]
     out = Path(args.out)

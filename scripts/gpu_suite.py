@@ -15,7 +15,6 @@ It is a script, not a test: it exits 0 when everything that ran passed and the b
 """
 import argparse
 import collections
-import copy
 import datetime
 import os
 import platform

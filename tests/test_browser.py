@@ -375,7 +375,8 @@ def test_03_moving_the_ring_slider_changes_the_picture(open_notebook):
         time.sleep(0.25)
     after_readout = cell.locator(".widget-readout").first.inner_text()
     assert after_readout != readout, f"the slider did not move (readout {readout!r})"
-    assert picture.get_attribute("src") != before, f"the picture did not change when the slider moved to {after_readout}"
+    assert picture.get_attribute("src") != before, \
+        f"the picture did not change when the slider moved to {after_readout}"
 
 
 def _start_training(nb):
@@ -421,7 +422,8 @@ def _assert_interrupted(nb, index, kernel, workers):
     traceback = [line for line in _text(errors[-1]).splitlines() if line.strip()]
     said = [line for o in outputs for line in _text(o).splitlines() if STOPPED_RANKS.search(line)]
     assert said, f"no line says that the ranks were stopped; the cell shows: {[_text(o)[-300:] for o in outputs]}"
-    assert len(traceback) <= 2, f"expected a one-line message, the error shows {len(traceback)} lines:\n" + "\n".join(traceback)
+    assert len(traceback) <= 2, \
+        f"expected a one-line message, the error shows {len(traceback)} lines:\n" + "\n".join(traceback)
 
 
 @pytest.mark.parametrize("ranks", ["fresh", "warm pool"])
@@ -462,11 +464,13 @@ def test_06_live_view_updates_in_place_and_the_interrupt_button_stops_the_traini
         if pngs and (not pictures or pngs[-1] != pictures[-1]):
             pictures.append(pngs[-1])
             progress.append(_png_progress(pngs[-1]))
-        assert cell["prompt"] == "[*]:", f"the training cell ended before the test could interrupt it: {cell['outputs']}"
+        assert cell["prompt"] == "[*]:", \
+            f"the training cell ended before the test could interrupt it: {cell['outputs']}"
         time.sleep(0.2)
     # the live view: one output, redrawn in place, its progress bar advancing
     assert most_outputs == 1, f"the live view should be one output redrawn in place, saw {most_outputs} outputs"
-    assert len(pictures) >= 3, f"the picture was drawn {len(pictures)} time(s), expected it to be redrawn as training goes"
+    assert len(pictures) >= 3, \
+        f"the picture was drawn {len(pictures)} time(s), expected it to be redrawn as training goes"
     assert progress[-1] > progress[0] and progress[-1] > 0, f"the progress bar did not advance: {progress}"
     # the Interrupt button, in the middle of the training
     _assert_interrupted(nb, index, kernel, workers)
@@ -479,7 +483,8 @@ SITE = ROOT / "docs" / "_build" / "html"
 @pytest.fixture(scope="module")
 def site():
     if not (SITE / ".built-ok").is_file():      # written by docs/build.py when the build and its checks passed
-        pytest.importorskip("sphinx", reason="the site is not built and Sphinx is missing (pip install -r requirements-docs.txt)")
+        pytest.importorskip("sphinx", reason="the site is not built and Sphinx is missing "
+                                             "(pip install -r requirements-docs.txt)")
         subprocess.run([sys.executable, str(ROOT / "docs" / "build.py")], check=True, timeout=600)
     handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(SITE))
     handler.log_message = lambda *args: None
@@ -509,8 +514,8 @@ def test_every_site_page_loads_without_console_errors_and_shows_its_images(brows
             page.wait_for_function("() => [...document.images].every(i => i.complete)", timeout=seconds(20) * 1000)
             broken = page.evaluate("() => [...document.images].filter(i => !i.naturalWidth).map(i => i.src)")
             if page.locator("pre.mermaid").count():
-                page.wait_for_function("() => [...document.querySelectorAll('pre.mermaid')].every(p => p.querySelector('svg'))",
-                                       timeout=seconds(20) * 1000)
+                drawn = "() => [...document.querySelectorAll('pre.mermaid')].every(p => p.querySelector('svg'))"
+                page.wait_for_function(drawn, timeout=seconds(20) * 1000)
             problems += [f"{name}: {line}" for line in seen] + [f"{name}: image not shown: {src}" for src in broken]
     finally:
         context.close()

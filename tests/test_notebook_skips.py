@@ -14,8 +14,9 @@ def run_notebook_tests(tmp_path, data_folder):
     nb.cells = [nbformat.v4.new_code_cell("x = 1"), needs_data, nbformat.v4.new_code_cell("assert x == 1")]
     nbformat.write(nb, str(tmp_path / "lesson.ipynb"))
     env = dict(os.environ, DDP_HELPERS_CIFAR10=str(data_folder), XDG_CACHE_HOME=str(tmp_path / "cache"))
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "ddp_helpers.pytest_notebooks", "--nbval",
-                           "--nbval-current-env", "-rs", "-q", "lesson.ipynb"],
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
+                           "-p", "ddp_helpers.pytest_notebooks", "--nbval", "--nbval-current-env", "-rs", "-q",
+                           "lesson.ipynb"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
 
 
