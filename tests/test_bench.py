@@ -27,7 +27,7 @@ def slow_fake_sweep(sizes):
     def fake_prepare(collective, count, dtype, device):
         out = torch.zeros(count, dtype=dtype)
         return (lambda: time.sleep((dist.get_rank() + 1) * 0.002)), out, lambda: out
-    bench.prepare = fake_prepare
+    bench.timing.prepare = fake_prepare
     return bench.sweep("all_reduce", sizes, iters=5, warmup=1)
 
 
@@ -45,7 +45,7 @@ def sweep_with_broken_collective(how):
         if how == "skip":
             return (lambda: None), out, expected
         return (lambda: (call(), out.view(-1)[0].add_(1))), out, expected
-    bench.prepare = broken
+    bench.timing.prepare = broken
     return bench.sweep("all_reduce", [4096], iters=1, warmup=0)
 
 
@@ -110,7 +110,7 @@ def test_table_has_the_all_reduce_perf_layout():
     assert bench.format_row(dict(row, bytes=2**30, count=2**28, time_us=3430.1234, algbw_GBps=313.04,
                                  busbw_GBps=313.04)) == \
         "  1073741824     268435456     float     sum      -1  3430.12  313.04  313.04       0"
-    assert bench._fixed(12345678.0, 7) == "1.2e+07"
+    assert bench.table._fixed(12345678.0, 7) == "1.2e+07"
 
 
 def test_csv_round_trip(tmp_path):
@@ -357,7 +357,7 @@ def sweep_noting_sizes(sizes):
     def noting(collective, count, dtype, device):
         counts.append(count)
         return real(collective, count, dtype, device)
-    bench.prepare = noting
+    bench.timing.prepare = noting
     bench.sweep("all_reduce", sizes, iters=1, warmup=1)
     return counts
 
@@ -443,7 +443,7 @@ def test_gpu_reference_parses_nccl_tests_and_compares():
 @pytest.mark.parametrize("gpus, expected", [(0, ("cpu", "gloo")), (1, ("cpu", "gloo")), (2, ("cuda", "nccl"))])
 def test_cli_never_puts_two_nccl_ranks_on_one_gpu(monkeypatch, capsys, gpus, expected):
     # Seen on a 1-GPU machine: the CLI picked NCCL for 2 ranks because there was a GPU, and hung.
-    monkeypatch.setattr(bench.machine, "gpu_count", lambda: gpus)
+    monkeypatch.setattr(machine, "gpu_count", lambda: gpus)
     for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
     args = bench.parse_args(["--nproc", "2"])
