@@ -1,0 +1,75 @@
+"""The one case runner: a checker's code on real ranks, and what went wrong there, in words.
+
+`run_case` launches `in_rank(*args)` on `world_size` Gloo ranks and turns every way that can fail
+into one line for the verdict: ranks that never finished (a hang: `never_finished` says what the
+learner most likely did), a rank that raised or died (with `partner_left` where Gloo says its peer
+went away, and `on_error` always), the learner's function still being the stub, a function that
+cannot be sent to a rank. Every checker's cases go through it.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..launcher import WorkerError, WorkerTimeout, launch
+from .verdict import Verdict
+
+HANG_TIMEOUT_S = 10   # a learner's ranks that have not finished by then are stuck (a send without its recv)
+
+
+@dataclass
+class Outcome:
+    """What one case gave: `results` by rank, or `problem` (one line) with `kind` saying which:
+    "timeout" (the ranks hung), "error" (a rank raised or died), "stub" (NotImplementedError),
+    "unsendable" (the function could not be sent to a rank)."""
+    results: list | None = None
+    problem: str | None = None
+    kind: str = "ok"
+    error: BaseException | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.kind == "ok"
+
+
+def _first_line(err: BaseException) -> str:
+    return str(err).splitlines()[0].split(". This is typically")[0][:300] if str(err) else type(err).__name__
+
+
+def run_case(in_rank: Callable, world_size: int, args: tuple, label: str, *, timeout: float | None = None,
+             never_finished: str = "", partner_left: str = "", on_error: str = "", init: bool = True) -> Outcome:
+    """`in_rank(*args)` on `world_size` Gloo ranks, at most `timeout` seconds (HANG_TIMEOUT_S by default)."""
+    try:
+        results = launch(in_rank, world_size, args=args, timeout=HANG_TIMEOUT_S if timeout is None else timeout,
+                         init=init, quiet=True)
+    except WorkerTimeout as err:
+        return Outcome(problem=f"{label}: rank(s) {err.unfinished_ranks} never finished: {never_finished}".rstrip(": "),
+                       kind="timeout", error=err)
+    except WorkerError as err:
+        if err.exc_type == "NotImplementedError":
+            return Outcome(problem="still raises NotImplementedError", kind="stub", error=err)
+        line = _first_line(err)
+        hint = partner_left if "gloo" in line.lower() or "closed" in line.lower() else ""
+        return Outcome(problem=f"{label}: {line}{hint}" + (f" {on_error}" if on_error else ""), kind="error",
+                       error=err)
+    except Exception as err:   # the function could not be sent to a rank (pickling)
+        return Outcome(problem=f"could not run it on the ranks: {type(err).__name__}: {str(err)[:300]}",
+                       kind="unsendable", error=err)
+    return Outcome(results=results)
+
+
+def name_of(fn, default: str = "the function") -> str:
+    return getattr(fn, "__name__", default)
+
+
+def stub_verdict(title: str, fn=None, who: str | None = None) -> Verdict:
+    """The verdict for a learner's function that is still the stub."""
+    who = who or name_of(fn)
+    return Verdict(title, [f"{who} still raises NotImplementedError: fill in the stub"])
+
+
+def not_a_function(title: str, fn, signature: str) -> Verdict | None:
+    """A verdict when `fn` is not callable (None when it is)."""
+    if callable(fn):
+        return None
+    return Verdict(title, [f"expected a function {signature}, got {type(fn).__name__}"])
