@@ -3,7 +3,7 @@
     from ddp_helpers import launch, spawn
     %load_ext ddp_helpers      # in a notebook: the %%ddp cell magic
 """
-from . import forkserver as _forkserver
+from .runtime import forkserver as _forkserver
 
 if _forkserver.start_at_import():  # first, so that it imports torch while this kernel does too
     _forkserver.start()

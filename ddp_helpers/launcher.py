@@ -6,7 +6,7 @@
 
 How it works, and why:
 - Workers are started by `torch.multiprocessing.start_processes` with the
-  *forkserver* start method (see `supervisor`, shared with the warm pool): cheap
+  *forkserver* start method (see `runtime.supervisor`, shared with the warm pool): cheap
   copies of a fresh process that imported torch once, never forks of the kernel.
 - `fn` may be defined in the notebook: it travels by value, with cloudpickle, with
   the source of the cells it was written in (for tracebacks).
@@ -14,23 +14,28 @@ How it works, and why:
   the OS picks) beside the ranks, as torchrun's agent hosts one, and gives each
   worker the environment torchrun would give it. No fixed port, so re-runs never
   clash. On Linux the ranks and the store share a network of their own, which
-  nobody else on the machine can reach (`private_net`).
+  nobody else on the machine can reach (`runtime.private_net`).
 - Each rank's stdout and stderr come back through a pipe and are printed
   line by line as `[rank N] ...`; a full log per rank stays in the run folder.
 - Errors, crashes, hangs and the Interrupt button all end every worker (and what
   it started) and raise in the calling cell (`WorkerError`, `WorkerTimeout`,
   `KeyboardInterrupt`).
 """
+from __future__ import annotations
+
 import os
 import pickle
 import time
+from collections.abc import Callable, Sequence
 
 import torch.distributed as dist
 
-from . import compat, machine, private_net
-from .cells import dumps, dumps_with_sources
-from .supervisor import Supervisor, describe_exit, interrupted
-from .worker import WorkerJob, error_file, no_group_file, rendezvous_file, result_file, run_worker
+from . import compat, machine
+from .runtime import private_net
+from .runtime.cells import dumps, dumps_with_sources
+from .runtime.run_dirs import rank_file
+from .runtime.supervisor import Supervisor, describe_exit, interrupted
+from .runtime.worker import WorkerJob, run_worker
 
 BACKENDS = ("gloo", "nccl", "auto")
 MAX_WORLD_SIZE = 64          # one machine; past this use torchrun across nodes
@@ -43,8 +48,9 @@ class WorkerError(RuntimeError):
     """A worker raised, crashed or was killed. `rank`, `exc_type`, `exc_message`,
     `remote_traceback` describe the first rank that failed; `log_dir` holds full logs."""
 
-    def __init__(self, message, rank=None, exc_type=None, exc_message=None,
-                 remote_traceback=None, log_dir=None, failures=None):
+    def __init__(self, message: str, rank: int | None = None, exc_type: str | None = None,
+                 exc_message: str | None = None, remote_traceback: str | None = None, log_dir: str | None = None,
+                 failures: dict[int, str] | None = None) -> None:
         super().__init__(message)
         self.rank = rank
         self.exc_type = exc_type
@@ -53,7 +59,7 @@ class WorkerError(RuntimeError):
         self.log_dir = log_dir
         self.failures = failures or {}
 
-    def _render_traceback_(self):
+    def _render_traceback_(self) -> list[str]:
         # IPython shows this instead of the launcher's own frames: the worker's traceback is what matters.
         return [f"{type(self).__name__}: {line}" if i == 0 else line for i, line in enumerate(str(self).splitlines())]
 
@@ -61,13 +67,14 @@ class WorkerError(RuntimeError):
 class WorkerTimeout(WorkerError, TimeoutError):
     """Workers did not finish in time. `unfinished_ranks` lists those still running."""
 
-    def __init__(self, message, unfinished_ranks, log_dir=None):
+    def __init__(self, message: str, unfinished_ranks: list[int], log_dir: str | None = None) -> None:
         super().__init__(message, log_dir=log_dir)
         self.unfinished_ranks = unfinished_ranks
 
 
-def launch(fn, world_size=2, backend="gloo", args=(), kwargs=None, timeout=120,
-           init=True, env=None, quiet=False):
+def launch(fn: Callable, world_size: int = 2, backend: str = "gloo", args: Sequence = (),
+           kwargs: dict | None = None, timeout: float = 120, init: bool = True,
+           env: dict[str, str] | None = None, quiet: bool = False) -> list:
     """Run `fn(*args, **kwargs)` on `world_size` new processes; return a list of results by rank.
 
     backend: "gloo" (CPU, always there), "nccl" (one CUDA GPU per rank), or
@@ -94,8 +101,9 @@ def launch(fn, world_size=2, backend="gloo", args=(), kwargs=None, timeout=120,
         raise interrupted(INTERRUPTED) from None
 
 
-def spawn(fn, args=(), nprocs=1, join=True, daemon=False, start_method="spawn", *,
-          backend="gloo", timeout=120, init=True, env=None, quiet=False):
+def spawn(fn: Callable, args: Sequence = (), nprocs: int = 1, join: bool = True, daemon: bool = False,
+          start_method: str = "spawn", *, backend: str = "gloo", timeout: float = 120, init: bool = True,
+          env: dict[str, str] | None = None, quiet: bool = False) -> list:
     """Run `fn(rank, *args)` on `nprocs` ranks, as `torch.multiprocessing.spawn` does; return
     a list of results by rank (what `launch` returns; mp.spawn itself returns None).
 
@@ -178,7 +186,7 @@ def _insert_hint(message, hint):
 
 
 # ---------------------------------------------------------------- input checks
-def check_world_size(world_size):
+def check_world_size(world_size: int) -> int:
     if isinstance(world_size, bool) or not isinstance(world_size, int):
         raise TypeError(f"world_size must be an int, got {world_size!r} ({type(world_size).__name__})")
     if not 1 <= world_size <= MAX_WORLD_SIZE:
@@ -186,7 +194,7 @@ def check_world_size(world_size):
     return world_size
 
 
-def resolve_backend(backend, world_size):
+def resolve_backend(backend: str, world_size: int) -> str:
     """Check the backend name and, for "auto", pick NCCL only if every rank gets a GPU."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}: choose one of {', '.join(map(repr, BACKENDS))}")
@@ -202,7 +210,7 @@ def resolve_backend(backend, world_size):
     return backend
 
 
-def pickle_job(fn, args, kwargs):
+def pickle_job(fn: Callable, args: Sequence, kwargs: dict | None) -> tuple[bytes, dict]:
     """cloudpickle fn and its arguments now, so a bad one fails before any process starts.
     Returns the bytes and the sources of the notebook cells their code comes from."""
     if not callable(fn):
@@ -226,7 +234,7 @@ def pickle_job(fn, args, kwargs):
     return dumps_with_sources((fn, tuple(args), kwargs or {}))
 
 
-def check_timeout(timeout):
+def check_timeout(timeout: float) -> float:
     if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
             or not 0 < timeout <= MAX_TIMEOUT_S):  # also rejects nan and inf
         raise ValueError(f"timeout must be a positive number of seconds, at most {MAX_TIMEOUT_S} "
@@ -234,7 +242,7 @@ def check_timeout(timeout):
     return float(timeout)
 
 
-def check_env(env):
+def check_env(env: dict[str, str] | None) -> dict[str, str]:
     env = dict(env or {})
     bad = {k: v for k, v in env.items() if not isinstance(k, str) or not isinstance(v, str)}
     if bad:
@@ -248,7 +256,7 @@ def _outcome(ranks, timeout, quiet, hint=None):
     run_dir, n = ranks.run_dir, ranks.world_size
 
     def finished(rank):
-        return os.path.exists(result_file(run_dir, rank))
+        return os.path.exists(rank_file(run_dir, rank, "result"))
 
     seen_early = []
 
@@ -257,7 +265,7 @@ def _outcome(ranks, timeout, quiet, hint=None):
         began a rendezvous (keys in the store), makes them wait for it until their own timeout.
         After LEFT_EARLY_GRACE_S (their init may have a short timeout of its own) it is named."""
         early = [r for r, p in enumerate(ranks.processes)
-                 if p.exitcode == 0 and os.path.exists(no_group_file(run_dir, r))]
+                 if p.exitcode == 0 and os.path.exists(rank_file(run_dir, r, "nogroup"))]
         if not early or len(early) == n or all(p.exitcode is not None for p in ranks.processes):
             return None
         if not seen_early:
@@ -266,7 +274,7 @@ def _outcome(ranks, timeout, quiet, hint=None):
             return early
         return None
 
-    outcome, detail = ranks.wait(time.monotonic() + timeout, finished=finished, check=left_early)
+    outcome, detail = ranks.wait_for_exits(time.monotonic() + timeout, finished=finished, check=left_early)
     if outcome == "timeout":
         ranks.dump_stacks(detail)
         ranks.stop()
@@ -324,7 +332,8 @@ def _lost_a_peer(record):
     return bool(record) and any(words in record["message"] for words in PEER_WENT_AWAY)
 
 
-def error_from_record(rank, record, run_dir, note="", failures=None):
+def error_from_record(rank: int, record: dict, run_dir: str, note: str = "",
+                      failures: dict[int, str] | None = None) -> WorkerError:
     """WorkerError for a rank that raised, from the record `describe_exception` made there."""
     tail = f"\n({note})" if note else ""
     message = (f"rank {rank} raised {record['type']}: {record['message']}\n\n"
@@ -337,7 +346,7 @@ def error_from_record(rank, record, run_dir, note="", failures=None):
 def _describe_exit(run_dir, rank, exitcode, record):
     if record:
         return f"raised {record['type']}: {record['message']}"
-    if exitcode == 0 and os.path.exists(no_group_file(run_dir, rank)):
+    if exitcode == 0 and os.path.exists(rank_file(run_dir, rank, "nogroup")):
         return ("returned without joining the process group, while the other ranks waited for it in "
                 f"init_process_group for {LEFT_EARLY_GRACE_S} s (with init=False every rank must call it)")
     if exitcode == 0:
@@ -350,7 +359,7 @@ def _waiting_in_rendezvous(run_dir, ranks):
     found = {}
     for r in ranks:
         try:
-            with open(rendezvous_file(run_dir, r)) as f:
+            with open(rank_file(run_dir, r, "rendezvous")) as f:
                 found[r] = f.read().strip() or "?"
         except OSError:
             pass
@@ -359,12 +368,12 @@ def _waiting_in_rendezvous(run_dir, ranks):
 
 def _read_error(run_dir, rank):
     try:
-        with open(error_file(run_dir, rank), "rb") as f:
+        with open(rank_file(run_dir, rank, "error"), "rb") as f:
             return pickle.load(f)
     except FileNotFoundError:
         return None
 
 
 def _read_result(run_dir, rank):
-    with open(result_file(run_dir, rank), "rb") as f:
+    with open(rank_file(run_dir, rank, "result"), "rb") as f:
         return pickle.load(f)

@@ -50,6 +50,8 @@ that is not defined) raises IPython's `UsageError`, one line, before any rank st
 The pool's notices (new ranks started, ranks stopped) are printed on stdout, before
 the cell's output; errors alone go to stderr.
 """
+from __future__ import annotations
+
 import argparse
 import contextlib
 
@@ -57,17 +59,17 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from .cells import PerRank, globals_to_send
-from .rank_views import TabSink
-from .supervisor import output_sink
 from .launcher import WorkerError, check_timeout, check_world_size, launch, resolve_backend
 from .pool import Pool
-from .worker import run_cell
+from .runtime.cells import PerRank, globals_to_send
+from .runtime.output import output_sink
+from .runtime.rank_views import TabSink
+from .runtime.worker import run_cell
 
 LINE_COMMANDS = ("start", "stop", "status", "push", "pull")
 
 
-def _positive_int(text):
+def _positive_int(text: str) -> int:
     """-n: a whole number of ranks, at least 1 (argparse turns the error into a UsageError)."""
     try:
         value = int(text)
@@ -78,7 +80,7 @@ def _positive_int(text):
     return value
 
 
-def _rank_list(text):
+def _rank_list(text: str) -> list[int]:
     """-r/--ranks: ranks separated by commas, e.g. 0,2 (checked against the pool later)."""
     parts = [p.strip() for p in text.split(",") if p.strip()]
     if not parts:
@@ -89,7 +91,7 @@ def _rank_list(text):
     return [int(p) for p in parts]
 
 
-def _checked(opts):
+def _checked(opts: argparse.Namespace) -> argparse.Namespace:
     """Mistakes in the options, found before any process starts: IPython's UsageError (as
     ipyparallel's magics do), one line, no traceback."""
     try:
@@ -121,7 +123,7 @@ class DDPMagics(Magics):
     @argument("--tabs", action="store_true", help="%%%%ddp: each rank's output on a tab of its own")
     @argument("command", nargs="*",
               help="%%ddp only: start, stop, status, push NAME [NAME ...] or pull NAME")
-    def ddp(self, line, cell=None):
+    def ddp(self, line: str, cell: str | None = None) -> PerRank | None:
         """%%ddp [-n N] [-b BACKEND] [-t SECONDS] [-o NAME] [-r RANKS] [--tabs]: run this cell on every rank.
         %ddp start|stop|status|push NAMES|pull NAME: manage a warm pool of ranks."""
         opts = _checked(parse_argstring(self.ddp, line))
@@ -158,7 +160,7 @@ class DDPMagics(Magics):
             self.shell.user_ns[opts.out] = values
         return values
 
-    def _line(self, opts):
+    def _line(self, opts: argparse.Namespace) -> PerRank | None:
         command, names = (opts.command[0], opts.command[1:]) if opts.command else ("", [])
         if command not in LINE_COMMANDS:
             raise UsageError(f"unknown %ddp command {command!r}: use start, stop, status, push or pull "
@@ -187,7 +189,8 @@ class DDPMagics(Magics):
         elif command == "push":
             missing = [n for n in names if n not in self.shell.user_ns]
             if not names or missing:
-                raise UsageError(f"%ddp push NAME [NAME ...]: not defined in the notebook: {missing or 'no names given'}")
+                raise UsageError("%ddp push NAME [NAME ...]: not defined in the notebook: "
+                                 f"{missing or 'no names given'}")
             pool.push(**{n: self.shell.user_ns[n] for n in names})
         else:
             if len(names) != 1:
@@ -202,5 +205,5 @@ class DDPMagics(Magics):
         return None
 
 
-def register(ipython):
+def register(ipython) -> None:
     ipython.register_magics(DDPMagics)

@@ -9,7 +9,7 @@
 Like ipyparallel's engines, but already joined in a torch.distributed process
 group. Workers start exactly as `launch` starts them (the same `Supervisor`:
 forkserver, a store of its own in the ranks' private network, output as `[rank N] ...`); each then runs
-`serve.serve`, which waits for requests on a pipe.
+`runtime.serve.serve`, which waits for requests (`runtime.protocol`) on a pipe.
 
 If a cell is interrupted, times out, leaves ranks stuck after another rank
 raised, or destroys the process group, a collective may have been cut half-way
@@ -17,22 +17,26 @@ and the group cannot be trusted: the workers are stopped and the next cell
 starts fresh ones (you are told that the ranks' variables were reset). A worker
 that dies, even while idle, is reported the same way.
 """
+from __future__ import annotations
+
 import atexit
 import multiprocessing
 import os
 import pickle
 import sys
 import time
+from collections.abc import Callable, Iterable
 
 import cloudpickle
 import psutil
 
-from .cells import PerRank, dumps_with_sources, globals_to_send
 from .launcher import (WorkerError, WorkerTimeout, check_env, check_timeout, check_world_size,
                        error_from_record, resolve_backend)
-from .serve import serve
-from .supervisor import Supervisor, describe_exit, interrupted
-from .worker import WorkerJob
+from .runtime.cells import PerRank, dumps_with_sources, globals_to_send
+from .runtime.protocol import Call, Exec, Pull, Push, Reply, Request, Stop
+from .runtime.serve import serve
+from .runtime.supervisor import Supervisor, describe_exit, interrupted
+from .runtime.worker import WorkerJob
 
 PG_TIMEOUT_S = 600       # collectives inside a cell; cells have their own timeout
 STUCK_AFTER_ERROR_S = 5  # after a rank raises, how long the others may take to finish
@@ -42,7 +46,8 @@ RESET = "the next cell starts fresh ones (their variables are reset)"
 class Pool:
     """`world_size` warm ranks on this machine. See the module docstring."""
 
-    def __init__(self, world_size=2, backend="gloo", env=None, start_timeout=60):
+    def __init__(self, world_size: int = 2, backend: str = "gloo", env: dict[str, str] | None = None,
+                 start_timeout: float = 60) -> None:
         self.world_size = check_world_size(world_size)
         self.backend = resolve_backend(backend, self.world_size)
         self.env = check_env(env)
@@ -55,7 +60,8 @@ class Pool:
         atexit.register(self.stop)
 
     # ------------------------------------------------------------ public API
-    def run_cell(self, source, user_ns=None, filename="<ddp-cell>", timeout=120, ranks=None):
+    def run_cell(self, source: str, user_ns: dict | None = None, filename: str = "<ddp-cell>",
+                 timeout: float = 120, ranks: Iterable[int] | None = None) -> PerRank | None:
         """Run `source` on every rank (or on `ranks` only), in that rank's namespace; return each
         rank's value of the last expression (None when the cell ends in a statement everywhere).
 
@@ -68,10 +74,10 @@ class Pool:
         if only is not None and self._ranks is not None and not self._sees_collectives:
             _notice(f"this torch does not show the ranks their collectives: one in a cell on ranks {ranks} "
                     f"would wait until the timeout ({timeout:g} s).")
-        values = self._request(("exec", source, sent, filename, only), timeout, ranks)
+        values = self._request(Exec(source, sent, filename, only), timeout, ranks)
         return PerRank.of(values, ranks)
 
-    def check_ranks(self, ranks):
+    def check_ranks(self, ranks: Iterable[int] | None) -> list[int]:
         """`ranks` as a list (None: every rank); a ValueError for an empty list, a repeated rank or
         one that is not in this pool."""
         if ranks is None:
@@ -89,19 +95,19 @@ class Pool:
                              f"({' or '.join(map(str, range(self.world_size)))})")
         return ranks
 
-    def run(self, fn, *args, timeout=120, **kwargs):
+    def run(self, fn: Callable, *args, timeout: float = 120, **kwargs) -> list:
         """Call `fn(*args, **kwargs)` on every rank; return the results by rank."""
-        return self._request(("call", fn, args, kwargs), timeout)
+        return self._request(Call(fn, args, kwargs), timeout)
 
-    def push(self, **values):
+    def push(self, **values) -> None:
         """Set variables in every rank's namespace."""
-        self._request(("push", values), timeout=60)
+        self._request(Push(values), timeout=60)
 
-    def pull(self, name):
+    def pull(self, name: str) -> PerRank:
         """Each rank's value of the variable `name`."""
-        return PerRank(self._request(("pull", name), timeout=60))
+        return PerRank(self._request(Pull(name), timeout=60))
 
-    def status(self):
+    def status(self) -> list[dict]:
         """Each rank's PID, state ("idle", "dead", "stopped") and resident memory in MiB."""
         if self._ranks is None:
             return [{"rank": r, "pid": None, "state": "stopped", "memory_mib": None}
@@ -110,26 +116,26 @@ class Pool:
                  "memory_mib": _resident_mib(p.pid) if p.exitcode is None else None}
                 for r, p in enumerate(self._ranks.processes)]
 
-    def stop(self):
+    def stop(self) -> None:
         """End the workers; the pool cannot be used afterwards."""
         self._stopped = True
         if self._ranks is not None:
             for conn in self._conns:
                 try:
-                    conn.send_bytes(_message(("stop",)))
+                    conn.send_bytes(_message(Stop()))
                 except OSError:
                     pass
-            self._ranks.wait(time.monotonic() + 2)   # they leave the group themselves
+            self._ranks.wait_for_exits(time.monotonic() + 2)   # they leave the group themselves
             self._discard()
 
-    def __enter__(self):
+    def __enter__(self) -> Pool:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc) -> bool:
         self.stop()
         return False
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         state = "stopped" if self._stopped else "running" if self._ranks else "restarts on next use"
         return f"Pool(world_size={self.world_size}, backend={self.backend!r}, {state})"
 
@@ -156,7 +162,7 @@ class Pool:
         # each rank says ready once its group is formed, and whether it can see its collectives
         self._sees_collectives = all(self._collect(self.start_timeout, what="start"))
 
-    def _request(self, request, timeout, ranks=None):
+    def _request(self, request: Request, timeout: float, ranks: list[int] | None = None) -> list:
         if self._stopped:
             raise RuntimeError("this pool was stopped; start a new one (%ddp start)")
         timeout = check_timeout(timeout)
@@ -193,23 +199,24 @@ class Pool:
             self._discard()
             _notice(f"{how} while idle (logs: {self.run_dir}); the ranks were stopped.")
 
-    def _collect(self, timeout, what, ranks=None):
+    def _collect(self, timeout: float, what: str, ranks: list[int] | None = None) -> list:
         """Wait for one reply per rank (of `ranks`: all by default), printing output meanwhile;
         raise on any failure."""
         ranks = list(range(self.world_size)) if ranks is None else ranks
-        replies, errors_at = {}, []
+        replies: dict[int, Reply] = {}
+        errors_at = []
 
-        def take(rank, message):
+        def take(rank: int, message: Reply) -> float | None:
             replies[rank] = message
-            if message[0] == "error" and not errors_at:
+            if not message.ok and not errors_at:
                 errors_at.append(time.monotonic())
                 return time.monotonic() + STUCK_AFTER_ERROR_S
             return None
 
         supervisor = self._ranks
         try:
-            outcome, detail = supervisor.wait(time.monotonic() + timeout, on_reply=take,
-                                              replies={r: self._conns[r] for r in ranks})
+            outcome, detail = supervisor.wait_for_replies(time.monotonic() + timeout, on_reply=take,
+                                                          replies={r: self._conns[r] for r in ranks})
         except KeyboardInterrupt:
             self._discard()
             raise interrupted(f"the ranks were stopped (a collective may have been cut half-way); {RESET}.") from None
@@ -225,10 +232,10 @@ class Pool:
             self._give_up_timeout(detail, timeout)
         supervisor.output.drain()
         supervisor.output.end_lines()   # a prompt or an unfinished line belongs to this cell
-        if any(reply[3] for reply in replies.values()):
+        if any(reply.has_children for reply in replies.values()):
             supervisor.note_started_processes()   # ended with the pool, even if their rank dies
-        errors = sorted(r for r, reply in replies.items() if reply[0] == "error")
-        if not all(reply[2] for reply in replies.values()):
+        errors = sorted(r for r, reply in replies.items() if not reply.ok)
+        if not all(reply.group_alive for reply in replies.values()):
             self._discard()
             _notice(f"the cell destroyed the process group, so the ranks were stopped; {RESET}.")
         if errors:
@@ -236,8 +243,8 @@ class Pool:
                 self._discard()
             first = errors[0]
             note = f"ranks {errors[1:]} raised too" if len(errors) > 1 else ""
-            raise error_from_record(first, replies[first][1], self.run_dir, note)
-        return [cloudpickle.loads(replies[r][1]) for r in ranks]
+            raise error_from_record(first, replies[first].error, self.run_dir, note)
+        return [cloudpickle.loads(replies[r].value) for r in ranks]
 
     def _give_up_timeout(self, unfinished, timeout):
         self._ranks.dump_stacks(unfinished)
@@ -248,10 +255,10 @@ class Pool:
             unfinished_ranks=unfinished, log_dir=self.run_dir)
 
     def _give_up_stuck(self, replies, stuck):
-        first = min(r for r, reply in replies.items() if reply[0] == "error")
+        first = min(r for r, reply in replies.items() if not reply.ok)
         self._discard()
         raise error_from_record(
-            first, replies[first][1], self.run_dir,
+            first, replies[first].error, self.run_dir,
             note=f"rank(s) {stuck} were still running {STUCK_AFTER_ERROR_S} s later, probably waiting for "
                  f"rank {first} in a collective, so the ranks were stopped; {RESET}")
 
@@ -272,7 +279,7 @@ def _notice(text):
     print(f"ddp pool: {text}", flush=True)
 
 
-def _message(request):
+def _message(request: Request) -> bytes:
     """A request as it travels: (sources of the notebook cells its code comes from, the request)."""
     payload, sources = dumps_with_sources(request)
     return pickle.dumps((sources, payload), protocol=pickle.HIGHEST_PROTOCOL)

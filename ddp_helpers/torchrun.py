@@ -18,47 +18,49 @@ worker is ended (found by PID, through the process tree: torchrun starts each
 worker in a session of its own), and the agents end themselves if the process
 that started them (the notebook's kernel) dies.
 """
+from __future__ import annotations
+
 import dataclasses
 import os
 import re
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 
 import psutil
+
+from .runtime import private_net, processes
 
 PRIVATE_PORT = 29400  # inside a fresh network namespace, nothing else can hold it
 
 
 @dataclasses.dataclass
 class NodesResult:
-    returncodes: list   # one per agent (node)
-    logs: list          # what each agent and its workers printed
+    returncodes: list[int | None]   # one per agent (node)
+    logs: list[str]                 # what each agent and its workers printed
     private_network: bool
-    command: list = dataclasses.field(default_factory=list)  # what each agent ran
+    command: list[str] = dataclasses.field(default_factory=list)  # what each agent ran
 
     @property
-    def torchrun(self):
+    def torchrun(self) -> str:
         """The agents' command as you would type it: `torchrun --nnodes=2 ... -m module ...`."""
         args = self.command[3:] if self.command[1:3] == ["-m", "torch.distributed.run"] else self.command
         return shlex.join(["torchrun", *args])
 
     @property
-    def torchrun_lines(self):
+    def torchrun_lines(self) -> str:
         """The same command one option per line, as a shell continuation (`\\` at each line's end),
         so that it fits a notebook's width and can be copied as it is."""
         return shell_lines(shlex.split(self.torchrun))
 
     @property
-    def ok(self):
+    def ok(self) -> bool:
         return all(code == 0 for code in self.returncodes)
 
 
-def shell_lines(words, indent="    "):
+def shell_lines(words: list[str], indent: str = "    ") -> str:
     """A launcher's command as shell lines, one option per line, each but the last ending in a
     backslash; the program's own options (after `-m module` or a script) are indented once more:
     ["torchrun", "--nnodes=2", "-m", "x", "--epochs", "3"] ->
@@ -81,7 +83,10 @@ def shell_lines(words, indent="    "):
         else:
             groups[-1].append(word)
     lines = [shlex.join(group) for group in groups]
-    deeper = lambda i: program_from is not None and i >= program_from
+
+    def deeper(i):
+        return program_from is not None and i >= program_from
+
     return " \\\n".join(lines[:1] + [indent * (1 + deeper(i)) + line
                                       for i, line in enumerate(lines[1:], start=1)])
 
@@ -89,13 +94,13 @@ def shell_lines(words, indent="    "):
 _LOG_PREFIX = re.compile(r"^[DIWEF]\d{4} [\d:.]+ \d+ \S+:\d+\] ")
 
 
-def plain(log):
+def plain(log: str) -> list[str]:
     """The lines of an agent's log, without the prefix of torchrun's own messages
     (level, date, time, PID, source file and line): "I1130 12:52:37.48 3357 api.py:553] x" -> "x"."""
     return [_LOG_PREFIX.sub("", line) for line in log.splitlines()]
 
 
-def private_network_available():
+def private_network_available() -> bool:
     """True where `unshare -rn` can give us a network namespace with only loopback in it."""
     if shutil.which("unshare") is None:
         return False
@@ -103,15 +108,16 @@ def private_network_available():
     return probe.returncode == 0
 
 
-def loopback_up_command():
+def loopback_up_command() -> list[str]:
     """`ip link set lo up` (a new namespace's loopback starts down), without needing `ip`: Python
     makes the same ioctl (`private_net.loopback_up`, a module of the standard library alone)."""
-    folder = os.path.dirname(os.path.abspath(__file__))
+    folder = os.path.dirname(os.path.abspath(private_net.__file__))
     return [sys.executable, "-c", f"import sys; sys.path.insert(0, {folder!r}); "
                                   "import private_net; private_net.loopback_up()"]
 
 
-def torchrun_args(nnodes, nproc_per_node, endpoint, max_restarts=0, run_id="notebook", standalone=False):
+def torchrun_args(nnodes: int, nproc_per_node: int, endpoint: str, max_restarts: int = 0, run_id: str = "notebook",
+                  standalone: bool = False) -> list[str]:
     """The torchrun options for one agent of a multi-node job (the same on every node).
     standalone: one node, with its own rendezvous on a free local port (`--standalone`)."""
     where = (["--standalone"] if standalone else
@@ -120,8 +126,9 @@ def torchrun_args(nnodes, nproc_per_node, endpoint, max_restarts=0, run_id="note
             f"--max-restarts={max_restarts}", "--monitor-interval=0.5"]
 
 
-def run_nodes(program, nnodes=2, nproc_per_node=2, max_restarts=0, timeout=180, env=None, standalone=False,
-              stdin=None):
+def run_nodes(program: list[str], nnodes: int = 2, nproc_per_node: int = 2, max_restarts: int = 0,
+              timeout: float = 180, env: dict[str, str] | None = None, standalone: bool = False,
+              stdin: str | None = None) -> NodesResult:
     """Start `nnodes` torchrun agents, each running `program` (e.g. ["-m", "ddp_helpers.train", ...])
     with `nproc_per_node` workers; wait for all of them; return their exit codes and output.
 
@@ -183,7 +190,7 @@ class NodesTimeout(TimeoutError):
     """The agents did not finish in time; all of them and their workers were ended.
     `logs`: what each node printed until then."""
 
-    def __init__(self, timeout, logs):
+    def __init__(self, timeout: float, logs: list[str]) -> None:
         tails = "".join(f"\n--- node {n}, last lines ---\n" + "\n".join(log.splitlines()[-5:])
                         for n, log in enumerate(logs))
         super().__init__(f"torchrun agents still running after {timeout:g} s: every agent and worker "
@@ -191,62 +198,22 @@ class NodesTimeout(TimeoutError):
         self.timeout, self.logs = timeout, logs
 
 
-def end_all(shell, grace_s=2.0):
+def end_all(shell: subprocess.Popen, grace_s: float = 2.0) -> None:
     """End the shell, its agents and all their workers, and wait until they are gone.
 
     torchrun starts each worker in a session of its own, so signalling our session would
-    miss them: we follow the process tree down from the shell instead (psutil). First SIGTERM
-    to all (an agent then stops its workers itself); after `grace_s`, whatever is left is
-    frozen with SIGSTOP (a stopped agent cannot start new workers) and killed.
+    miss them: we follow the process tree down from the shell instead (`processes.end_all`).
+    First SIGTERM to all (an agent then stops its workers itself); after `grace_s`, whatever is
+    left is frozen with SIGSTOP (a stopped agent cannot start new workers) and killed.
     """
     try:
-        known = {psutil.Process(shell.pid)}
+        shell_process = psutil.Process(shell.pid)
     except psutil.NoSuchProcess:
         shell.wait()
         return
-    known |= descendants(known)
-    _signal(known, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(map(_alive, known)):
-        known |= descendants(known)
-        time.sleep(0.05)
-    while True:  # freeze what is left, and what it started meanwhile
-        left = {p for p in known if _alive(p)}
-        _signal(left, signal.SIGSTOP)
-        new = descendants(left) - known
-        if not new:
-            break
-        known |= new
-    _signal(left, signal.SIGKILL)
-    shell.wait()
-    psutil.wait_procs([p for p in known if p.pid != shell.pid], timeout=5)
-
-
-def descendants(processes):
-    """Every live process whose parent, grandparent, ... is one of `processes` (psutil.Process)."""
-    found = set()
-    for p in processes:
-        try:
-            found.update(p.children(recursive=True))
-        except psutil.Error:   # it ended meanwhile
-            pass
-    return found
-
-
-def _alive(process):
-    """Running (a zombie is dead: it only waits for its parent to read its exit code)."""
-    try:
-        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def _signal(processes, sig):
-    for p in processes:
-        try:
-            p.send_signal(sig)
-        except psutil.Error:
-            pass
+    family = {shell_process} | processes.descendants({shell_process})
+    processes.end_all(family, grace_s, follow=True)
+    shell.wait()   # reaped already (its status is then taken as 0): it is ended in any case
 
 
 def _free_port():

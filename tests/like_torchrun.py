@@ -4,8 +4,8 @@ import subprocess
 import sys
 
 from conftest import REPO
-from ddp_helpers.store_host import Rendezvous
-from ddp_helpers.supervisor import worker_env
+from ddp_helpers.runtime.store_host import Rendezvous
+from ddp_helpers.runtime.supervisor import worker_env
 
 
 def run_module_like_torchrun(module, args, nproc=2, timeout=120):

@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 from ddp_helpers import WorkerError, WorkerTimeout, launch
 from ddp_helpers import launcher as launch_module
-from ddp_helpers import store_host
-from ddp_helpers import run_dirs as run_dirs_module
+from ddp_helpers.runtime import store_host
+from ddp_helpers.runtime import run_dirs as run_dirs_module
 from conftest import REPO, needs_2_gpus, seconds
 
 
@@ -88,8 +88,8 @@ def init_myself(method, port_file=None):
 
 
 def pid_alive(pid):
-    from ddp_helpers.run_dirs import process_alive
-    return process_alive(pid)
+    from ddp_helpers.runtime.processes import alive
+    return alive(pid)
 
 
 def listening_ports():
@@ -239,7 +239,7 @@ class _RanksWhoseExitStatusIsLate:
         self.processes = [types.SimpleNamespace(exitcode=1), types.SimpleNamespace(exitcode=None)]
         self._late = rank1_exitcode
 
-    def wait(self, deadline, **_):
+    def wait_for_exits(self, deadline, **_):
         return "failed", [0]
 
     def gone(self):
@@ -250,7 +250,7 @@ class _RanksWhoseExitStatusIsLate:
 
 
 def _raised(run_dir, rank, exc_type, message):
-    with open(launch_module.error_file(str(run_dir), rank), "wb") as f:
+    with open(run_dirs_module.rank_file(str(run_dir), rank, "error"), "wb") as f:
         pickle.dump({"type": exc_type, "message": message, "traceback": "Traceback ...\n"}, f)
 
 
@@ -270,7 +270,7 @@ def test_a_rank_with_an_error_of_its_own_is_blamed_before_a_rank_that_lost_its_p
 
 
 def test_gone_names_ended_ranks_whose_exit_status_has_not_arrived():
-    from ddp_helpers.supervisor import Supervisor
+    from ddp_helpers.runtime.supervisor import Supervisor
     ended, alive = subprocess.Popen(["true"]), subprocess.Popen(["sleep", "60"])
     try:
         deadline = time.monotonic() + seconds(10)
@@ -298,7 +298,7 @@ def test_a_rank_killed_before_its_exit_status_arrived_is_blamed(tmp_path):
 
 def test_a_rank_that_finished_before_its_exit_status_arrived_is_not_blamed(tmp_path):
     _rank_0_raised(tmp_path)
-    with open(launch_module.result_file(str(tmp_path), 1), "wb") as f:
+    with open(run_dirs_module.rank_file(str(tmp_path), 1, "result"), "wb") as f:
         pickle.dump("rank 1's value", f)
     with pytest.raises(WorkerError) as info:
         launch_module._outcome(_RanksWhoseExitStatusIsLate(tmp_path, 0), 60, True)
@@ -484,14 +484,14 @@ def test_launches_back_to_back_never_fail_to_connect_and_leave_no_port_or_proces
 # ---- run folders: never another process's live run, never a folder others can write to ----
 HOLD_A_RUN_DIR = """
 import sys, tempfile
-from ddp_helpers import run_dirs
+from ddp_helpers.runtime import run_dirs
 print(run_dirs.new_run_dir(), flush=True)
 sys.stdin.read()   # keeps the folder's run live until the test closes our stdin
 """
 
 PRUNE_IN_A_LOOP = """
 import os, sys, time
-from ddp_helpers import run_dirs
+from ddp_helpers.runtime import run_dirs
 open(sys.argv[1] + f".ready{os.getpid()}", "w").close()
 while not os.path.exists(sys.argv[1]):
     time.sleep(0.001)
@@ -813,7 +813,7 @@ if os.environ.get("FAKE_KERNEL"):
 import ddp_helpers
 
 def servers():
-    from ddp_helpers import store_host   # the stores' process is a fork of the server: not a server
+    from ddp_helpers.runtime import store_host   # the stores' process is a fork of the server: not a server
     host = store_host._Host.process.pid if store_host._Host.process is not None else None
     family = psutil.Process().children(recursive=True)
     return [p.pid for p in family
@@ -870,7 +870,8 @@ def test_a_rank_starts_its_own_processes_as_a_torchrun_worker_would():
     started with: a DataLoader's workers in the rank then started through a new forkserver, which
     imports torch anew (about 19 s before the first batch of notebook 06's GPU run on an H200 host
     without .pyc files). A rank gets the platform's default, as a worker torchrun starts does."""
-    default = subprocess.run([sys.executable, "-c", "import multiprocessing; print(multiprocessing.get_start_method())"],
+    default = subprocess.run([sys.executable, "-c",
+                              "import multiprocessing; print(multiprocessing.get_start_method())"],
                              capture_output=True, text=True, check=True).stdout.strip()
     assert launch(_start_method, 2) == [default, default]
 

@@ -13,7 +13,8 @@ import psutil
 import pytest
 
 from conftest import REPO, seconds
-from ddp_helpers import WorkerError, launch, private_net
+from ddp_helpers import WorkerError, launch
+from ddp_helpers.runtime import private_net
 from ddp_helpers.pool import Pool
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="switching to a second local user needs root")
@@ -112,7 +113,7 @@ def test_another_user_cannot_connect_to_a_running_launch_or_an_idle_pool(tmp_pat
 
 
 def test_the_switch_puts_the_ranks_on_the_machines_network():
-    script = textwrap.dedent(f"""
+    script = textwrap.dedent("""
         import os, socket
         from ddp_helpers import launch
         port = int(launch(lambda: os.environ["MASTER_PORT"], 1)[0])

@@ -153,7 +153,7 @@ def test_warm_pool_rich_output_and_cells_on_some_ranks():
 
 
 def test_a_pool_knows_whether_its_ranks_see_their_collectives(capfd):
-    from ddp_helpers import rank_io
+    from ddp_helpers.runtime import rank_io
     from ddp_helpers.pool import Pool
     with Pool(world_size=2) as pool:
         assert pool._sees_collectives, "torch's collectives dispatch to c10d operators here"
@@ -168,7 +168,7 @@ def test_a_pool_knows_whether_its_ranks_see_their_collectives(capfd):
 
 def test_a_display_line_after_unfinished_text_or_a_progress_line():
     import json
-    from ddp_helpers.supervisor import MARK, _Display, _Stream
+    from ddp_helpers.runtime.output import MARK, _Display, _Stream
     line = (MARK + json.dumps({"data": {"text/plain": "x", "image/png": "AAA"}, "metadata": {}})).encode()
     stream = _Stream(0, "stdout")
     pieces = stream.feed(b"50%\r60%\r" + line[:20])
@@ -180,7 +180,7 @@ def test_a_display_line_after_unfinished_text_or_a_progress_line():
 
 
 def test_a_trailing_semicolon_hides_the_cells_value_as_in_ipython():
-    from ddp_helpers.worker import exec_cell
+    from ddp_helpers.runtime.worker import exec_cell
     assert exec_cell("x = 3\nx;  # hidden\n", {}, "<semicolon-1>") is None
     assert exec_cell("x = 3\nx", {}, "<semicolon-2>") == 3
     assert exec_cell("s = 'a;'\ns", {}, "<semicolon-3>") == "a;"

@@ -19,7 +19,7 @@ import torch
 
 from conftest import REPO, needs_mini, seconds
 from ddp_helpers import files, launch, train, torchrun
-from ddp_helpers.run_dirs import process_alive
+from ddp_helpers.runtime.processes import alive as process_alive
 
 needs_private_network = pytest.mark.skipif(not torchrun.private_network_available(),
                                 reason="needs `unshare -rn` (a private network namespace) to run torchrun "
@@ -149,7 +149,8 @@ def test_agents_and_workers_end_when_the_caller_dies(tmp_path):
 
 # ------------------------------------------------------- no agents needed
 def test_fault_and_resume_options_are_checked(capsys):
-    cfg = train.parse_args(["--checkpoint", "c/e-{epoch}.pt", "--resume", "auto", "--fail-at-step", "8", "--fail-rank", "1"])
+    cfg = train.parse_args(["--checkpoint", "c/e-{epoch}.pt", "--resume", "auto",
+                            "--fail-at-step", "8", "--fail-rank", "1"])
     assert (cfg.resume, cfg.fail_at_step, cfg.fail_rank) == ("auto", 8, 1)
     for argv, message in [(["--resume", "auto"], "resume='auto' looks for the files checkpoint names"),
                           (["--fail-at-step", "0"], "fail_at_step=0: must be at least 1"),

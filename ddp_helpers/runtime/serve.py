@@ -6,11 +6,9 @@
 says "ok" on its connection, and then answers the kernel's requests one at a time: run a cell
 (on every rank, or on some: `rank_io.only_ranks`), call a function, set or read a variable, stop.
 
-Each answer is (kind, value, group_alive, has_children): kind "ok" with the pickled value, or
-"error" with `worker.describe_exception`'s record; group_alive is False once a cell destroyed the
-process group (the kernel then replaces the ranks); has_children says whether this rank has child
-processes (one system call), so that the kernel looks for what the ranks started only then, not
-after every cell (`Supervisor.note_started_processes`).
+The requests and the answer (`protocol.Reply`: the pickled value or `worker.describe_exception`'s
+record, whether the process group still stands, whether this rank has child processes, which one
+system call tells) are the dataclasses of `protocol`.
 
 A cell may fork (`os.fork()`): the child shares this rank's connection to the kernel, and would
 answer for the rank when it reaches the end of the cell (or is interrupted there). So the child
@@ -28,6 +26,7 @@ import torch.distributed as dist
 
 from . import rank_io
 from .cells import dumps
+from .protocol import Call, Exec, Pull, Push, Reply, Request, Stop
 from .worker import (describe_exception, end_worker, exec_cell, init_process_group, rank_namespace,
                      setup_worker_process, threads_left_running, to_cpu)
 
@@ -46,9 +45,9 @@ def serve(local_rank, job, connections):
     try:
         setup_worker_process(local_rank, job)
         init_process_group(job.backend, local_rank, job.pg_timeout_s)
-        conn.send(("ok", dumps(rank_io.collectives_visible()), True, False))   # for %%ddp --ranks
+        conn.send(Reply(value=dumps(rank_io.collectives_visible())))   # for %%ddp --ranks
     except BaseException as exc:
-        conn.send(("error", describe_exception(exc), dist.is_initialized(), False))
+        conn.send(Reply(error=describe_exception(exc), group_alive=dist.is_initialized()))
         end_worker()
         return
     state = _RankState()
@@ -59,21 +58,22 @@ def serve(local_rank, job, connections):
             break
         linecache.cache.update(sources)   # the notebook cells whose code the request carries
         request = cloudpickle.loads(payload)
-        if request[0] == "stop":
+        if isinstance(request, Stop):
             break
         signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
-            reply = ("ok", dumps(to_cpu(state.handle(request))))
+            reply = Reply(value=dumps(to_cpu(state.handle(request))))
         except BaseException as exc:
-            reply = ("error", describe_exception(exc))
+            reply = Reply(error=describe_exception(exc))
         finally:
             if os.getpid() == me:
                 signal.signal(signal.SIGINT, signal.SIG_IGN)
             sys.stdout.flush()
             sys.stderr.flush()
         if os.getpid() != me:   # a child the cell forked, at the end of the cell: never answer
-            os._exit(0 if reply[0] == "ok" else 1)
-        conn.send(reply + (dist.is_initialized(), _has_children()))
+            os._exit(0 if reply.ok else 1)
+        reply.group_alive, reply.has_children = dist.is_initialized(), _has_children()
+        conn.send(reply)
     if dist.is_initialized():
         dist.destroy_process_group()
     end_worker()
@@ -106,27 +106,23 @@ class _RankState:
         self.namespace = rank_namespace()
         self.from_kernel = {}  # name -> the object the kernel last sent for it
 
-    def handle(self, request):
-        kind = request[0]
-        if kind == "exec":
-            _, source, sent, filename, only = request
-            self._take_from_kernel(sent)
-            if only is None:
-                return exec_cell(source, self.namespace, filename)
-            with rank_io.only_ranks(only):   # %%ddp --ranks: no collective with the other ranks
-                return exec_cell(source, self.namespace, filename)
-        if kind == "call":
-            _, fn, args, kwargs = request
-            return fn(*args, **kwargs)
-        if kind == "push":
-            self.namespace.update(request[1])
+    def handle(self, request: Request):
+        if isinstance(request, Exec):
+            self._take_from_kernel(request.sent)
+            if request.only is None:
+                return exec_cell(request.source, self.namespace, request.filename)
+            with rank_io.only_ranks(request.only):   # %%ddp --ranks: no collective with the other ranks
+                return exec_cell(request.source, self.namespace, request.filename)
+        if isinstance(request, Call):
+            return request.fn(*request.args, **request.kwargs)
+        if isinstance(request, Push):
+            self.namespace.update(request.values)
             return None
-        if kind == "pull":
-            name = request[1]
-            if name not in self.namespace:
-                raise NameError(f"rank {dist.get_rank()} has no variable {name!r}")
-            return self.namespace[name]
-        raise ValueError(f"unknown request {kind!r}")
+        if isinstance(request, Pull):
+            if request.name not in self.namespace:
+                raise NameError(f"rank {dist.get_rank()} has no variable {request.name!r}")
+            return self.namespace[request.name]
+        raise ValueError(f"unknown request {request!r}")
 
     def _take_from_kernel(self, sent):
         """Notebook variables a cell uses fill in names the rank has not set itself:

@@ -1,7 +1,7 @@
 """`%%ddp --tabs`: each rank's output on a page of its own (an ipywidgets Tab), instead of the
 `[rank N] ...` lines of all ranks in one stream.
 
-`TabSink(ranks)` is an output sink for `supervisor.OutputPump` (see `supervisor.output_sink`):
+`TabSink(ranks)` is an output sink for `output.OutputPump` (see `output.output_sink`):
 it shows the Tab at once and adds each rank's lines, errors (stderr) and displays to its page as
 they arrive. What the cell returns is still shown below it as `[rank N] value` lines.
 """

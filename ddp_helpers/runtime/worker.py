@@ -36,13 +36,14 @@ import traceback
 from datetime import timedelta
 
 import cloudpickle
-import psutil
 import torch
 import torch.distributed as dist
 
-from . import tutorials
-from . import rank_io
-from .run_dirs import process_alive
+from .. import tutorials
+from ..files import atomic_write
+from . import PACKAGE_DIR, rank_io
+from .processes import alive, end_children
+from .run_dirs import rank_file
 
 
 THREADS_GRACE_S = 2.0   # how long a rank waits for the threads its function left running
@@ -60,32 +61,6 @@ class WorkerJob:
     env: dict                 # full environment for the workers (kernel env + torchrun variables)
     launcher_pid: int
     cell_sources: dict        # {filename: lines} of notebook cells, for readable tracebacks
-
-
-def stdout_pipe(run_dir, rank):
-    return os.path.join(run_dir, f"rank{rank}.stdout")
-
-
-def stderr_pipe(run_dir, rank):
-    return os.path.join(run_dir, f"rank{rank}.stderr")
-
-
-def result_file(run_dir, rank):
-    return os.path.join(run_dir, f"rank{rank}.result")
-
-
-def error_file(run_dir, rank):
-    return os.path.join(run_dir, f"rank{rank}.error")
-
-
-def no_group_file(run_dir, rank):
-    """Left by a rank of an init=False launch that returned without ever joining a process group."""
-    return os.path.join(run_dir, f"rank{rank}.nogroup")
-
-
-def rendezvous_file(run_dir, rank):
-    """Where a rank waits for its rendezvous while it is in init_process_group (see `tutorials`)."""
-    return os.path.join(run_dir, f"rank{rank}.rendezvous")
 
 
 def run_worker(local_rank, job):
@@ -107,8 +82,9 @@ def run_worker(local_rank, job):
         if job.init and dist.is_initialized():
             dist.destroy_process_group()
         if not job.init and not joined:
-            open(no_group_file(job.run_dir, rank), "w").close()
-        _write_atomically(result_file(job.run_dir, rank), cloudpickle.dumps(to_cpu(result)))
+            open(rank_file(job.run_dir, rank, "nogroup"), "w").close()
+        with atomic_write(rank_file(job.run_dir, rank, "result")) as f:
+            f.write(cloudpickle.dumps(to_cpu(result)))
     except BaseException as exc:  # KeyboardInterrupt and SystemExit too: the launcher must hear of them
         report_error(job.run_dir, rank, exc)
         if threads_left_running(grace_s=0):   # Python would wait for them before exiting
@@ -160,7 +136,8 @@ def _run_threading_exit_hooks():
 
 def report_error(run_dir, rank, exc):
     """Leave the exception, with its traceback, for the launcher (and in this rank's log)."""
-    _write_atomically(error_file(run_dir, rank), pickle.dumps(describe_exception(exc)))
+    with atomic_write(rank_file(run_dir, rank, "error")) as f:
+        f.write(pickle.dumps(describe_exception(exc)))
 
 
 def end_worker():
@@ -171,13 +148,13 @@ def end_worker():
             stream.flush()
         except (OSError, ValueError):
             pass
-    _end_children()
+    end_children()
 
 
 def setup_worker_process(local_rank, job):
     """Steps 1-3 above, for `launch` and for the warm `Pool` alike. Returns the rank."""
     rank = local_rank  # one machine: global rank == local rank
-    _redirect_output(stdout_pipe(job.run_dir, rank), stderr_pipe(job.run_dir, rank))
+    _redirect_output(rank_file(job.run_dir, rank, "stdout"), rank_file(job.run_dir, rank, "stderr"))
     os.environ.clear()
     os.environ.update(job.env)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(local_rank), GROUP_RANK="0", ROLE_RANK=str(rank))
@@ -195,7 +172,7 @@ def setup_worker_process(local_rank, job):
     dist.set_debug_level_from_env()
     linecache.cache.update(job.cell_sources)
     rank_io.setup()   # figures and display() reach the notebook; input() says there is no stdin
-    tutorials.install_in_rank(rendezvous_file(job.run_dir, rank))
+    tutorials.install_in_rank(rank_file(job.run_dir, rank, "rendezvous"))
     return rank
 
 
@@ -300,13 +277,10 @@ def describe_exception(exc):
             "traceback": text}
 
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-
-
 def _user_frames(tb):
     """Skip the frames of ddp_helpers' own plumbing at the top of a traceback."""
     first = tb
-    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(PACKAGE_DIR):
         tb = tb.tb_next
     return tb or first
 
@@ -346,34 +320,8 @@ def _exit_when_orphaned(launcher_pid, period_s=0.5):
 
     def watch():
         while True:
-            if poller.poll(period_s * 1000) or not process_alive(launcher_pid):
-                _end_children()
+            if poller.poll(period_s * 1000) or not alive(launcher_pid):
+                end_children()
                 os._exit(1)
 
     threading.Thread(target=watch, name="ddp-helpers-watchdog", daemon=True).start()
-
-
-def _end_children(grace_s=1.0):
-    """End every process this one started (and what they started), SIGTERM first, then SIGKILL."""
-    try:
-        family = psutil.Process().children(recursive=True)
-    except psutil.Error:
-        return
-    for child in family:
-        try:
-            child.terminate()
-        except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(family, timeout=grace_s)
-    for child in alive:
-        try:
-            child.kill()
-        except psutil.Error:
-            pass
-
-
-def _write_atomically(path, data):
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)

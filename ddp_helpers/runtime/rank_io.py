@@ -3,7 +3,7 @@
 - **Rich output.** A rank has no Jupyter kernel of its own, so `display(obj)` would print
   `<IPython.core.display.HTML object>` and a figure `Figure(640x480)`. Here a rank formats what it
   shows with IPython's own `DisplayFormatter` (the mime bundle a kernel would send: PNG, HTML, ...)
-  and writes it, as one marked line, on its stdout pipe; the kernel's `supervisor.OutputPump` sees
+  and writes it, as one marked line, on its stdout pipe; the kernel's `output.OutputPump` sees
   the mark and shows the bundle in the cell, after a `[rank N]` line. Matplotlib draws through
   `rank_backend` (set by MPLBACKEND, as Jupyter's inline backend is): `plt.show()` shows the open
   figures and closes them, and a `%%ddp` cell shows the figures still open at its end.
@@ -22,9 +22,11 @@ import json
 import os
 import sys
 
-import IPython.core.display_functions   # imported in the fork server (PRELOAD imports worker), so free here
+import IPython.core.display_functions  # noqa: F401 (in the fork server, PRELOAD imports worker: free here)
 
-BACKEND = "module://ddp_helpers.rank_backend"
+from . import PACKAGE_DIR
+
+BACKEND = "module://ddp_helpers.runtime.rank_backend"
 # A rank's stdout line that carries a mime bundle, not text: MARK + JSON.
 MARK = "\x00ddp-display\x00"
 
@@ -165,7 +167,7 @@ def only_ranks(ranks):
 def _end_at_user_code(tb):
     """Cut a traceback after its deepest frame outside torch and ddp_helpers."""
     import torch
-    library = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
+    library = (os.path.dirname(torch.__file__), PACKAGE_DIR)
     last_user = None
     while tb is not None:
         if not tb.tb_frame.f_code.co_filename.startswith(library):
@@ -255,7 +257,6 @@ _CALLED_AS = {"allreduce": "all_reduce", "allgather": "all_gather", "allgather_i
 
 
 def _outside_message(func, needed, allowed):
-    import torch.distributed as dist
     name = func._schema.name.split("::")[-1].rstrip("_")
     name = _CALLED_AS.get(name, name)
     missing = sorted(needed - allowed)

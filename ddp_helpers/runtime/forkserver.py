@@ -22,9 +22,9 @@ import sys
 # skipped. First and last, two modules of ours: while the server imports, the garbage collector is off
 # (a quarter of the import's CPU time went to collections); at the end what it imported is frozen
 # (gc.freeze: the ranks' collections skip it, and leave its memory shared) and collection is on again.
-PRELOAD = ["ddp_helpers.forkserver", "torch", "torch.distributed", "torch._dynamo", "torchvision",
-           "cloudpickle", "psutil", "ddp_helpers.worker", "ddp_helpers.serve", "ddp_helpers.store_host",
-           "ddp_helpers.forkserver_ready"]
+PRELOAD = ["ddp_helpers.runtime.forkserver", "torch", "torch.distributed", "torch._dynamo", "torchvision",
+           "cloudpickle", "psutil", "ddp_helpers.runtime.worker", "ddp_helpers.runtime.serve",
+           "ddp_helpers.runtime.store_host", "ddp_helpers.runtime.forkserver_ready"]
 
 
 def start_method():

@@ -1,10 +1,16 @@
 """Run folders: one per launch (or per warm pool), holding its pipes, result files and logs.
 
+Each rank's files there are named by `rank_file(run_dir, rank, kind)`, one kind per entry of
+RANK_FILES; `remove_scratch` removes all but the logs when the run ends.
+
 They live in `$TMPDIR/ddp_helpers-<uid>`, a folder of this user's that nobody else may write to
 (result files are unpickled). A run folder's name records the process that made it
 (`run-HHMMSS-<pid>-<n>-...`); old ones are pruned, but never a run still going on here or in
 another notebook kernel.
 """
+from __future__ import annotations
+
+import contextlib
 import itertools
 import os
 import shutil
@@ -14,13 +20,40 @@ import threading
 import time
 import warnings
 
-import psutil
+from .processes import alive
 
 KEPT_RUN_DIRS = 20           # logs of the most recent finished launches kept on disk
 _run_counter = itertools.count()
 _run_dirs_lock = threading.Lock()
 _live_run_dirs = set()       # run folders of this process still in use (a launch running, a pool up)
 _fallback_roots = {}         # (temp dir, uid) -> a private root, when the usual one cannot be trusted
+
+
+RANK_FILES = {
+    "stdout": "a named pipe: the rank writes its stdout there, the kernel reads it",
+    "stderr": "the same for its stderr",
+    "result": "what the rank's function returned (cloudpickle)",
+    "error": "what it raised instead (worker.describe_exception's record, pickled)",
+    "nogroup": "left by a rank of an init=False launch that returned without ever joining a process group",
+    "rendezvous": "the address a rank waits on while it is in init_process_group (see `tutorials`)",
+    "log": "everything the rank printed: kept after the run",
+}
+
+
+def rank_file(run_dir: str, rank: int, kind: str) -> str:
+    """The path of one of a rank's files in a run folder: `kind` is a key of RANK_FILES."""
+    if kind not in RANK_FILES:
+        raise ValueError(f"no rank file of kind {kind!r}: one of {', '.join(RANK_FILES)}")
+    return os.path.join(run_dir, f"rank{rank}.{kind}")
+
+
+def remove_scratch(run_dir: str, world_size: int) -> None:
+    """Remove the ranks' pipes, result and marker files; keep the logs."""
+    for rank in range(world_size):
+        for kind in RANK_FILES:
+            if kind != "log":
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(rank_file(run_dir, rank, kind))
 
 
 def new_run_dir():
@@ -114,7 +147,7 @@ def _prune(root):
         elif owner == me:
             if path in _live_run_dirs:
                 continue
-        elif process_alive(owner):
+        elif alive(owner):
             continue  # another process's run: it may still be going on, and it prunes its own
         try:
             finished.append((os.lstat(path).st_mtime, path))
@@ -123,13 +156,3 @@ def _prune(root):
     finished.sort()
     for _, stale in finished[:-KEPT_RUN_DIRS]:
         shutil.rmtree(stale, ignore_errors=True)
-
-
-def process_alive(pid):
-    """Whether process `pid` is running (a zombie has exited: it only waits for its parent)."""
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-    except psutil.AccessDenied:
-        return True

@@ -1,4 +1,4 @@
-"""The matplotlib backend of a rank (`MPLBACKEND=module://ddp_helpers.rank_backend`, set by
+"""The matplotlib backend of a rank (`MPLBACKEND=module://ddp_helpers.runtime.rank_backend`, set by
 `rank_io.setup`): Agg draws, and `plt.show()` sends each open figure to the notebook cell as a PNG,
 labelled with the rank, then closes it, as Jupyter's inline backend does in a kernel.
 

@@ -1,0 +1,19 @@
+"""The machinery behind `launch`, the warm pool and `%%ddp`, which a notebook never imports.
+
+The faces a notebook uses stay at the top of the package (`launcher`, `pool`, `magic`,
+`torchrun`); what they stand on lives here:
+
+- `supervisor` starts a group of ranks, waits for their exits or their replies, and stops them;
+  `output` prints what the ranks write, as `[rank N] ...` lines.
+- `worker` is what runs inside each rank of `launch`; `serve` inside each rank of a warm pool,
+  answering the requests of `protocol`.
+- `cells` is what travels to the ranks and how their values come back; `rank_io` and
+  `rank_backend` are a rank's side of rich output and input; `rank_views` the kernel's tabs.
+- `forkserver` (and `forkserver_ready`) is the process every rank is forked from; `private_net` the
+  network of the ranks' own; `store_host` their rendezvous store; `run_dirs` the run folders.
+- `processes`: whether a process is alive, and ending a process with everything it started.
+"""
+import os
+
+PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+"""The folder of ddp_helpers: frames of its code are plumbing in a rank's traceback."""

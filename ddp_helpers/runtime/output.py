@@ -1,0 +1,250 @@
+"""What the ranks print, shown in the cell: each rank's stdout and stderr as `[rank N] ...` lines.
+
+The supervisor makes an `OutputPump` for each group of ranks and reads it while it waits; the
+ranks write into named pipes in the run folder (`worker`), and each rank's full log stays there.
+Where the lines go is a *sink*: the cell (`CellSink`), or per-rank tabs (`rank_views.TabSink`,
+for `%%ddp --tabs`), set for a block of code with `output_sink`.
+"""
+import contextlib
+import json
+import os
+import re
+import sys
+
+from .rank_io import MARK
+from .run_dirs import rank_file
+
+_LINE_ENDS = re.compile(rb"(\r\n|\r|\n)")
+# In the ranks' private network no DNS server answers, so c10d's reverse lookup of a socket's own
+# loopback address (as "::ffff:127.0.0.1") fails "temporarily" (EAI_AGAIN), and it warns on every
+# connection. Harmless (it then uses the number): kept in the log, not shown in the cell.
+_UNANSWERABLE_LOOKUP = re.compile(r"socket\.cpp:\d+\] \[c10d\] The hostname of the client socket cannot "
+                                  r"be retrieved\. err=-3\n?$")
+
+
+class OutputPump:
+    """Reads each rank's stdout/stderr pipe and prints it as `[rank N] ...` lines.
+
+    Named pipes (FIFOs) in the run folder: the workers open them by name, so no file
+    descriptor has to travel through the forkserver. Lines wait for their end, so lines of
+    different ranks never mix; what one read brings is printed in one write. A `\\r`
+    (a progress bar redrawing its line) is passed on at once, the prefix after it.
+
+    A line that carries a mime bundle (`rank_io.MARK`: a figure, an image, HTML) is displayed
+    in the cell instead, after a `[rank N]` line. Where it all goes is the *sink*: `sink=`, or
+    the one `output_sink(sink)` sets for a block of code, or `CellSink` (print, display).
+    """
+
+    def __init__(self, run_dir, world_size, quiet, sink=None):
+        self.quiet = quiet
+        self.sink = sink
+        self.streams = {}     # fd -> _Stream
+        self.logs = {}
+        self._open_line = {"stdout": None, "stderr": None}   # the stream whose line is unfinished there
+        for rank in range(world_size):
+            self.logs[rank] = open(rank_file(run_dir, rank, "log"), "ab")
+            for dest in ("stdout", "stderr"):
+                path = rank_file(run_dir, rank, dest)
+                os.mkfifo(path, 0o600)
+                fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+                self.streams[fd] = _Stream(rank, dest)
+
+    def fds(self):
+        return list(self.streams)
+
+    def read(self, ready):
+        """Read what is waiting on the given fds, print it; return the number of bytes read."""
+        total, printed, touched = 0, {"stdout": [], "stderr": []}, set()
+        for fd in ready:
+            stream = self.streams.get(fd)
+            if stream is None:
+                continue
+            try:
+                data = os.read(fd, 1 << 16)
+            except BlockingIOError:
+                continue
+            total += len(data)
+            if not data:  # the worker closed its end (it exited)
+                self._take(stream, stream.finish(), printed)
+                os.close(fd)
+                del self.streams[fd]
+            else:
+                self._take(stream, stream.feed(data), printed)
+            touched.add(stream.rank)
+        for rank in touched:
+            self.logs[rank].flush()
+        self._print(printed)
+        return total
+
+    def _print(self, printed):
+        if self.quiet:
+            return
+        sink = self.sink or (_sinks[-1] if _sinks else CellSink)
+        for dest, pieces in printed.items():
+            text = []
+            for rank, piece in pieces + [(None, None)]:
+                if isinstance(piece, str):
+                    text.append((rank, piece))
+                    continue
+                if text:
+                    sink.write(dest, text)
+                    text = []
+                if piece is not None:
+                    sink.display(rank, piece.data, piece.metadata)
+
+    def _take(self, stream, pieces, printed):
+        for shown, logged in pieces:
+            self.logs[stream.rank].write(logged)
+            if not shown or (isinstance(shown, str) and _UNANSWERABLE_LOOKUP.search(shown)):
+                continue
+            owner = self._open_line[stream.dest]
+            if owner is not None and isinstance(shown, _Display):
+                printed[stream.dest].append((owner.rank, "\n"))   # end an open progress line first
+            elif owner is not None and owner is not stream:
+                if not shown.startswith("\r"):
+                    shown = "\n" + shown   # another rank's progress line is open: start a new one
+            printed[stream.dest].append((stream.rank, shown))
+            self._open_line[stream.dest] = None if isinstance(shown, _Display) or shown.endswith("\n") else stream
+
+    def end_lines(self):
+        """End every unfinished line (a prompt, `print(..., end="")`) now, so that it is shown with
+        this cell's output rather than joined to the next cell's first line (a warm pool's ranks
+        outlive the cell)."""
+        printed = {"stdout": [], "stderr": []}
+        for stream in self.streams.values():
+            self._take(stream, stream.finish(), printed)
+            stream.after_cr = False
+        self._print(printed)
+
+    def drain(self):
+        """Print everything the workers have written so far."""
+        while self.read(self.fds()):
+            pass
+
+    def close(self):
+        printed = {"stdout": [], "stderr": []}
+        for fd, stream in self.streams.items():
+            self._take(stream, stream.finish(), printed)
+            os.close(fd)
+        self.streams.clear()
+        self._print(printed)
+        for log in self.logs.values():
+            log.close()
+
+
+class CellSink:
+    """Where a pump's output goes unless told otherwise: print (the cell's stdout and stderr), and
+    display a rank's mime bundle after a `[rank N]` line (its text alone outside IPython)."""
+
+    @staticmethod
+    def write(dest, pieces):
+        """pieces: [(rank, text with its `[rank N] ` prefixes)], in order."""
+        out = sys.stdout if dest == "stdout" else sys.stderr
+        out.write("".join(text for _, text in pieces))
+        out.flush()
+
+    @staticmethod
+    def display(rank, data, metadata):
+        shell = sys.modules.get("IPython") and sys.modules["IPython"].get_ipython()
+        if shell is None or not any(key != "text/plain" for key in data):
+            text = data.get("text/plain", "").replace("\n", "\n" + " " * len(f"[rank {rank}] "))
+            print(f"[rank {rank}] {text}", flush=True)
+            return
+        from IPython.display import display
+        print(f"[rank {rank}]", flush=True)
+        display(data, metadata=metadata, raw=True)
+
+
+_sinks = []   # set by output_sink, innermost last
+
+
+@contextlib.contextmanager
+def output_sink(sink):
+    """Send the output of the ranks started or run in this block to `sink` (see CellSink)."""
+    _sinks.append(sink)
+    try:
+        yield sink
+    finally:
+        _sinks.remove(sink)
+
+
+class _Display:
+    """A mime bundle a rank sent on its stdout."""
+
+    def __init__(self, data, metadata):
+        self.data, self.metadata = data, metadata
+
+    @classmethod
+    def parse(cls, segment):
+        """The bundle a marked line carries, or None for a line of text."""
+        if not segment.startswith(_MARK):
+            return None
+        try:
+            bundle = json.loads(segment[len(_MARK):])
+            return cls(dict(bundle["data"]), dict(bundle.get("metadata") or {}))
+        except (ValueError, KeyError, TypeError):
+            return None
+
+
+_MARK = MARK.encode()
+
+
+class _Stream:
+    """One rank's stdout or stderr: cut into lines, and `\\r` updates, each shown with the prefix."""
+
+    def __init__(self, rank, dest):
+        self.rank, self.dest = rank, dest
+        self.prefix = f"[rank {rank}] "
+        self.pending = b""       # the unfinished piece
+        self.after_cr = False    # the unfinished piece redraws the line a `\r` started
+
+    def feed(self, data):
+        """[(text to show, bytes to log)] for what `data` completes; a redrawn line is shown at once."""
+        parts = _LINE_ENDS.split(self.pending + data)
+        self.pending = parts.pop()
+        pieces = []
+        for i in range(0, len(parts), 2):
+            pieces.extend(self._pieces(parts[i], parts[i + 1]))
+        redrawn = self.pending.split(b"\0")[0]   # not the start of a display's line
+        if self.after_cr and redrawn:
+            pieces.append((f"\r{self.prefix}{self._text(redrawn)}", b""))
+        return pieces
+
+    def finish(self):
+        """What is left when the stream ends."""
+        if not self.pending:
+            return [("\n", b"") if self.after_cr else ("", b"")]
+        pieces = self._pieces(self.pending, b"\n")
+        self.pending = b""
+        return pieces
+
+    def _pieces(self, segment, end):
+        """A line that carries a display: the text before its mark (a line left unfinished), then
+        the display."""
+        at = segment.find(_MARK) if end != b"\r" else -1
+        shown = _Display.parse(segment[at:]) if at >= 0 else None
+        if shown is None:
+            return [self._piece(segment, end)]
+        pieces = [self._piece(segment[:at], end)] if at > 0 else []
+        self.after_cr = False
+        return pieces + [(shown, f"[display: {', '.join(shown.data)}]\n".encode())]
+
+    def _piece(self, segment, end):
+        text = self._text(segment)
+        if end == b"\r":
+            shown = f"\r{self.prefix}{text}" if self.after_cr else f"{self.prefix}{text}"
+            if not segment:
+                shown = ""
+            self.after_cr = True
+            return shown, segment + end
+        # a line ends
+        if self.after_cr:
+            shown = f"\r{self.prefix}{text}\n" if segment else "\n"
+        else:
+            shown = f"{self.prefix}{text}\n"
+        self.after_cr = False
+        return shown, segment + b"\n"
+
+    @staticmethod
+    def _text(segment):
+        return segment.decode("utf-8", "replace")
