@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 from conftest import seconds
 from ddp_helpers import exercises, launch, solutions
+from ddp_helpers.exercises import ddp_cifar10, runner
 
 
 def still_a_stub(*args):
@@ -79,7 +80,7 @@ def test_ring_all_reduce_checker(monkeypatch):
     def deadlocks(t):  # every rank receives first: nobody sends
         dist.recv(t, src=(dist.get_rank() - 1) % dist.get_world_size())
         return t
-    monkeypatch.setattr(exercises, "HANG_TIMEOUT_S", seconds(1.5))   # the deadlock waits this out (CI time)
+    monkeypatch.setattr(runner, "HANG_TIMEOUT_S", seconds(1.5))   # the deadlock waits this out (CI time)
     verdict = exercises.check_ring_all_reduce(deadlocks)
     assert not verdict and "never finished" in repr(verdict)
     assert not exercises.check_ring_all_reduce(still_a_stub)
@@ -511,7 +512,7 @@ def test_steps_per_epoch_checker_survives_exits_and_patches(monkeypatch):
 
 def test_steps_per_epoch_checker_has_a_time_limit(monkeypatch):
     from conftest import seconds
-    monkeypatch.setattr(exercises, "STEPS_TIMEOUT_S", seconds(1), raising=False)
+    monkeypatch.setattr(ddp_cifar10, "STEPS_TIMEOUT_S", seconds(1))
 
     def slow(n, b, w, pause=seconds(2)):
         import time
@@ -522,3 +523,43 @@ def test_steps_per_epoch_checker_has_a_time_limit(monkeypatch):
     verdict = exercises.check_steps_per_epoch(slow)
     assert time.monotonic() - start < seconds(5)
     assert not verdict and f"slow did not return within {seconds(1):g} s" in repr(verdict), repr(verdict)
+
+
+# ---- the expected values are taken before any of the learner's code runs (issue 32) -------------
+# A learner's code can run in the kernel in the middle of a check: a value it returns is unpickled
+# there. This one replaces torch.arange for good while it is unpickled, so that an expected sum
+# computed afterwards would be a constant, the wrong answer this function returns.
+_real_arange = torch.arange
+
+
+def _arange_of_zeros(*args, **kwargs):
+    return _real_arange(*args, **kwargs) * 0
+
+
+def _patch_arange_and_return(value):
+    torch.arange = _arange_of_zeros   # not restored
+    return value
+
+
+class _PatchesTheKernel:
+    def __init__(self, value):
+        self.value = value
+
+    def __reduce__(self):
+        return _patch_arange_and_return, (self.value,)
+
+
+def ring_then_a_constant(t):
+    """The reference ring's messages, then a wrong sum: 100·n(n-1)/2 in every element (the sum of the
+    ranks' tensors if torch.arange gave zeros)."""
+    solutions.ring_all_reduce(t)
+    n = dist.get_world_size()
+    return _PatchesTheKernel(torch.full_like(t, 100.0 * n * (n - 1) / 2))
+
+
+def test_a_learner_patch_of_torch_cannot_change_the_expected_values(monkeypatch):
+    monkeypatch.setattr(torch, "arange", torch.arange)   # put back after the test
+    verdict = exercises.check_ring_all_reduce(ring_then_a_constant)
+    assert torch.arange is _arange_of_zeros              # the learner's patch did happen
+    assert not verdict and "world_size=2, length=5, rank 0: element 1: expected 102, got 100" in repr(verdict), \
+        repr(verdict)

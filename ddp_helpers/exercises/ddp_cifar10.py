@@ -4,14 +4,22 @@ check_exact_accuracy: the test accuracy of a whole test set that was split with 
 DistributedSampler, whose padding repeats a few images: the learner's function runs on real
 Gloo ranks with every collective wrapped, and the checker looks at the value each rank returns
 and at the collectives each rank called (one all_reduce, SUM, of the counts).
-(check_steps_per_epoch, the notebook's earlier exercise, stays in `ddp_helpers.exercises`.)
+check_steps_per_epoch: the number of training steps per epoch with a DistributedSampler and
+drop_last=True, checked in a process of its own (an endless loop, sys.exit or a patch of the
+loaders is a verdict); the expected values come from torch's DataLoader there, before fn runs.
 """
+from __future__ import annotations
+
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
-from . import _COLLECTIVES, _STILL_A_STUB, HANG_TIMEOUT_S, Verdict, _launch_case, _noting_calls, _op_name
+from . import runner
+from .spies import COLLECTIVES, noting_calls, op_name
+from .verdict import Verdict, close
 
-__all__ = ["check_exact_accuracy", "sampler_share"]
+__all__ = ["check_exact_accuracy", "check_steps_per_epoch", "sampler_share"]
 
 # (test images, ranks, shuffle): world sizes that do not divide the set (padding), one that does
 _ACCURACY_CASES = [(10, 4, False), (11, 3, True), (9, 2, True), (12, 3, True)]
@@ -33,7 +41,7 @@ def _describe(name, args, kwargs):
     """A collective call as (name, op, numbers): what the checker compares."""
     tensor = args[0] if args else kwargs.get("tensor")
     op = kwargs.get("op", args[1] if len(args) > 1 and name == "all_reduce" else None)
-    return (name, _op_name(op) if op is not None else "SUM" if name == "all_reduce" else None,
+    return (name, op_name(op) if op is not None else "SUM" if name == "all_reduce" else None,
             tensor.numel() if isinstance(tensor, torch.Tensor) else None)
 
 
@@ -43,7 +51,7 @@ def _accuracy_in_rank(fn, n_images, shuffle):
     returned: ("number", x) or ("other", repr, type), the collectives it called)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     correct = _truth(n_images)[sampler_share(n_images, world_size, rank, shuffle)]
-    with _noting_calls(_COLLECTIVES, _describe) as calls:
+    with noting_calls(COLLECTIVES, _describe) as calls:
         got = fn(correct.clone(), n_images)
     if isinstance(got, torch.Tensor) and got.numel() == 1 and not got.dtype == torch.bool:
         got = got.item()
@@ -58,7 +66,9 @@ def _wrong_value_hint(got, n_images, world_size, shuffle):
     shares = [_truth(n_images)[sampler_share(n_images, world_size, r, shuffle)] for r in range(world_size)]
     real = [share[:len(range(r, n_images, world_size))] for r, share in enumerate(shares)]
     padded = sum(int(s.sum()) for s in shares) / sum(len(s) for s in shares)
-    near = lambda a, b: abs(a - b) < 1e-6
+
+    def near(a, b):
+        return close(b, a, atol=1e-6)
     if near(got, padded):
         total = sum(len(s) for s in shares)
         return (f"that is the accuracy over the {total} samples of the padded shares: the sampler repeats "
@@ -98,7 +108,7 @@ def _calls_problem(calls, label):
     return None
 
 
-def check_exact_accuracy(fn):
+def check_exact_accuracy(fn: Callable[[torch.Tensor, int], float]) -> Verdict:
     """Notebook 06: `fn(correct, n_images)`, run on every rank, returns the accuracy over the whole
     test set of `n_images` images, the same on every rank, where `correct` (bool, one per sample)
     says which samples of this rank's `DistributedSampler` share the model got right. The share is
@@ -110,22 +120,23 @@ def check_exact_accuracy(fn):
     collective. Reference solution: ddp_helpers/solutions.py, exact_accuracy."""
     title = "exact_accuracy"
     if not callable(fn):
-        return Verdict(title, [f"expected a function exact_accuracy(correct, n_images), got {type(fn).__name__}"])
+        return runner.not_a_function(title, fn, "exact_accuracy(correct, n_images)")
+    wants = {n_images: int(_truth(n_images).sum()) / n_images for n_images, _, _ in _ACCURACY_CASES}
     problems = []
     for n_images, world_size, shuffle in _ACCURACY_CASES:
         label = f"{n_images} test images on {world_size} ranks"
-        want = int(_truth(n_images).sum()) / n_images
-        runs, problem, _ = _launch_case(
-            _accuracy_in_rank, world_size, (fn, n_images, shuffle), label, timeout=HANG_TIMEOUT_S,
+        want = wants[n_images]
+        outcome = runner.run_case(
+            _accuracy_in_rank, world_size, (fn, n_images, shuffle), label,
             never_finished="they wait in a collective another rank never calls: every rank must make the "
                            "same calls (is a collective inside `if dist.get_rank() == 0`?)",
             partner_left=": its partner had left. Does every rank call the same collectives?")
-        if problem is _STILL_A_STUB:
-            return Verdict(title, [f"{getattr(fn, '__name__', 'fn')} still raises NotImplementedError: "
-                                   f"fill in the stub"])
-        if problem:
-            problems.append(problem)
+        if outcome.kind == "stub":
+            return runner.stub_verdict(title, fn, runner.name_of(fn, "fn"))
+        if not outcome.ok:
+            problems.append(outcome.problem)
             break   # one case says what is wrong; the others would say it again
+        runs = outcome.results
         sequences = [[name for name, _, _ in calls] for _, calls in runs]
         odd = next((r for r, seq in enumerate(sequences) if seq != sequences[0]), None)
         if odd is not None:
@@ -139,7 +150,7 @@ def check_exact_accuracy(fn):
                 problems.append(f"{label}, rank {rank}: expected the accuracy as a number (a float), got "
                                 f"{value[0]} ({value[1]})")
                 break
-            if abs(value[0] - want) > 1e-6:   # float32 arithmetic is fine
+            if not close(want, value[0], atol=1e-6):   # float32 arithmetic is fine
                 hint = "" if calls_problem else _wrong_value_hint(value[0], n_images, world_size, shuffle)
                 problems.append(f"{label}, rank {rank}: expected accuracy {want:.6g}, got {value[0]:.6g}"
                                 + (f": {hint}" if hint else ""))
@@ -148,4 +159,81 @@ def check_exact_accuracy(fn):
             problems.insert(0, calls_problem)
         if problems:
             break   # one case says what is wrong; the others would say it again
+    return Verdict(title, problems)
+
+
+_STEP_CASES = [(10_000, 128, 1), (10_000, 128, 2), (998, 111, 3), (50_000, 256, 8), (1_000, 64, 7),
+               (1_000, 64, 2), (11, 3, 4)]   # 500/64 = 7.8: rounding is not the rule; 11 on 4 ranks: padding
+
+
+STEPS_TIMEOUT_S = 20   # the learner's steps_per_epoch is arithmetic: this is an endless loop
+
+
+def _steps_in_rank(fn, cases):
+    """Inside a rank, a fresh process that nothing the notebook patched reaches: first the expected
+    steps per epoch of every case, from torch's DataLoader over a DistributedSampler as notebook 06
+    builds them (drop_last=True), before any learner code runs; then fn for each case. Returns
+    [(want, what fn did)]: ("int", steps), ("other", repr, type name) or ("raised", type, message),
+    or None when fn is still the stub."""
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+    wants = []
+    for n, batch, world_size in cases:
+        images = TensorDataset(torch.zeros(n, 1, dtype=torch.uint8))
+        sampler = DistributedSampler(images, num_replicas=world_size, rank=0, shuffle=True, seed=0)
+        wants.append(len(DataLoader(images, batch, sampler=sampler, drop_last=True)))
+    found = []
+    for (n, batch, world_size), want in zip(cases, wants):
+        try:
+            got = fn(n, batch, world_size)
+        except NotImplementedError:
+            return None
+        except (Exception, SystemExit) as exc:
+            found.append((want, ("raised", type(exc).__name__, str(exc)[:200])))
+            continue
+        if isinstance(got, int) and not isinstance(got, bool):
+            found.append((want, ("int", int(got))))
+        else:
+            found.append((want, ("other", repr(got)[:100], type(got).__name__)))
+    return found
+
+
+def check_steps_per_epoch(fn: Callable[[int, int, int], int]) -> Verdict:
+    """Notebook 06: `fn(n_images, batch_per_rank, world_size)` is the number of training steps
+    per epoch each rank takes with DistributedSampler and DataLoader(..., drop_last=True).
+
+    fn runs in a rank of its own (one `launch`, at most STEPS_TIMEOUT_S): an endless loop, sys.exit
+    or a crash is a verdict, and what fn patches stays there. The expected values come from torch's
+    DataLoader and DistributedSampler, in that rank, before fn runs."""
+    title = "steps_per_epoch"
+    name = runner.name_of(fn)
+    if not callable(fn):
+        return runner.not_a_function(title, fn, "steps_per_epoch(n_images, batch_per_rank, world_size)")
+    outcome = runner.run_case(_steps_in_rank, 1, (fn, _STEP_CASES), "", timeout=STEPS_TIMEOUT_S, init=False)
+    if outcome.kind == "timeout":
+        return Verdict(title, [f"{name} did not return within {STEPS_TIMEOUT_S:g} s (an endless loop?)"])
+    if outcome.kind == "unsendable":
+        return Verdict(title, [f"could not run {name}: {outcome.problem.split(': ', 1)[1]}"])
+    if not outcome.ok:   # (its stub is caught in the rank)
+        return Verdict(title, [f"{name} ended its process: {outcome.problem.lstrip(': ')}"])
+    found = outcome.results[0]
+    if found is None:
+        return runner.stub_verdict(title, fn)
+    problems = []
+    for (n, batch, world_size), (want, (kind, *what)) in zip(_STEP_CASES, found):
+        label = f"{n} images, {batch} per rank, {world_size} ranks"
+        if kind == "raised":
+            exc_type, message = what
+            exit_hint = ": return the number instead of ending the program" if exc_type == "SystemExit" else ""
+            problems.append(f"{label}: {name} raised {exc_type}: {message}{exit_hint}")
+        elif kind == "other":
+            shown, type_name = what
+            problems.append(f"{label}: expected a whole number of steps (an int), got {shown} "
+                            f"({type_name}): use // for whole divisions")
+        elif what[0] != want:
+            got = what[0]
+            per_rank = -(-n // world_size)
+            hint = ("; each rank gets ceil(n / world_size) = "
+                    f"{per_rank} images (DistributedSampler pads), and the last incomplete batch is dropped"
+                    if got in (round(n / world_size / batch), n // world_size // batch, -(-per_rank // batch)) else "")
+            problems.append(f"{label}: expected {want} steps, got {got!r}{hint}")
     return Verdict(title, problems)

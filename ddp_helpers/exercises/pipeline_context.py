@@ -13,6 +13,9 @@ slot, backward 2), leaves the bubble of a full pipeline, (p-1)/(m+p-1), so a sch
 fills the pipeline is named too. GPipe's order gives the right gradients, messages and bubble,
 and is rejected for its memory.
 """
+from __future__ import annotations
+
+from collections.abc import Callable
 from fractions import Fraction
 
 import torch
@@ -20,7 +23,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..launcher import WorkerError, WorkerTimeout, launch
+from . import runner
+from .collectives import run_counting_p2p
+from .traffic import Traffic
+from .verdict import Verdict, difference
 
 __all__ = ["check_one_f_one_b", "counting_sends"]
 
@@ -214,38 +220,36 @@ def _message_problem(traffic, p, m, nbytes):
     return None
 
 
-def counting_sends(fn, *args):
+def counting_sends(fn: Callable, *args) -> tuple:
     """Inside a rank: `fn(*args)` with send/isend/recv/irecv recorded (batch_isend_irecv too, as the
     point-to-point checkers record them). Returns (what fn returned, bytes this rank sent)."""
-    from . import _run_counting_p2p
-    result, events = _run_counting_p2p(fn, lambda rank, world_size: args, ())
+    result, events = run_counting_p2p(fn, lambda rank, world_size: args, ())
     return result, sum(nbytes for kind, _, _, nbytes in events if kind == "send")
 
 
-def check_one_f_one_b(fn):
+def check_one_f_one_b(fn: Callable[[Callable, Callable, int, int, int], None]) -> Verdict:
     """Notebook 10: `fn(forward, backward, m, rank, p)` runs this rank's forward(i) and backward(i),
     i = 0..m-1, in 1F1B order. Checked on 2, 3 and 4 real ranks (see the module's docstring)."""
-    from . import HANG_TIMEOUT_S, Traffic, Verdict, _run_counting_p2p
-
     title = "my_1f1b"
+    references = {case: _reference(*case) for case in _CASES}   # before any of the learner's code runs
     problems = []
     for p, m in _CASES:
         label = f"p={p} stages, m={m} micro-batches"
-        grads_ref, units = _reference(p, m)
+        grads_ref, units = references[p, m]
         forbidden = ("all_reduce", "all_gather", "broadcast", "reduce_scatter", "barrier")
-        try:
-            got = launch(_run_counting_p2p, p, args=(_pipeline_in_rank, lambda r, n: (fn, p, m), forbidden),
-                         timeout=HANG_TIMEOUT_S, quiet=True)
-        except WorkerTimeout as err:
-            problems.append(f"{label}: rank(s) {err.unfinished_ranks} never finished: a backward(i) waits "
-                            f"for the next stage's backward(i), which needs forward(i) to have gone through "
-                            f"every stage first")
+        outcome = runner.run_case(
+            run_counting_p2p, p, (_pipeline_in_rank, lambda r, n: (fn, p, m), forbidden), label,
+            never_finished="a backward(i) waits for the next stage's backward(i), which needs forward(i) to "
+                           "have gone through every stage first")
+        if outcome.kind == "stub":
+            return runner.stub_verdict(title, fn)
+        if outcome.kind == "timeout":
+            problems.append(outcome.problem)
             break
-        except WorkerError as err:
-            if err.exc_type == "NotImplementedError":
-                return Verdict(title, [f"{fn.__name__} still raises NotImplementedError: fill in the stub"])
-            problems.append(f"{label}: rank {err.rank}: {str(err).splitlines()[0][:300]}")
+        if not outcome.ok:
+            problems.append(outcome.problem)
             continue
+        got = outcome.results
         results = [value for value, _ in got]
         traffic = Traffic([events for _, events in got])
         orders = [order for _, order, _ in results]
@@ -253,7 +257,7 @@ def check_one_f_one_b(fn):
         if not problem:
             for r, (grads, _, _) in enumerate(results):
                 for name, grad in grads.items():
-                    if not torch.allclose(grad, grads_ref[name], rtol=1e-4, atol=1e-6):
+                    if difference(grads_ref[name], grad, rtol=1e-4, atol=1e-6):
                         problem = (f"rank {r}: the gradient of {name} differs from one process's "
                                    f"(largest difference {(grad - grads_ref[name]).abs().max().item():.2g})")
                         break

@@ -8,50 +8,21 @@ functions (a dispatch mode that sees the c10d operators, however the learner rea
 bytes the rank hands in: a right result from another algorithm (gathering the inputs and computing
 everything on every rank, an all-reduce where a reduce-scatter does) is named, not accepted.
 """
+from __future__ import annotations
+
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
-from . import _STILL_A_STUB, HANG_TIMEOUT_S, Verdict, _launch_case
+from . import runner
+from .spies import CollectiveRecorder
+from .verdict import Verdict, close, difference
 
 __all__ = ["check_row_parallel", "ROW_PARALLEL_CASES"]
 
 # (world_size, batch, tokens, in_features, out_features): tokens and in_features divide by world_size
 ROW_PARALLEL_CASES = [(2, 2, 4, 6, 5), (4, 3, 8, 8, 3)]
-
-
-def _collective_name(schema_name):
-    op = schema_name[len("c10d::"):].strip("_").replace("allgather", "all_gather").replace("allreduce", "all_reduce")
-    return op.replace("_base", "").replace("_into_tensor_coalesced", "").replace("_coalesced", "")
-
-
-def _tensors(value):
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for item in value for t in _tensors(item)]
-    return []
-
-
-def _recorder():
-    """A dispatch mode that notes every c10d collective as (name, bytes this rank hands in)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Recorder(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.calls = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func._schema.name
-            if name.startswith("c10d::"):
-                op = _collective_name(name)
-                # all-gathers and reduce-scatters take (outputs, inputs); the others their tensors first
-                given = args[1] if op.startswith(("all_gather", "reduce_scatter")) and len(args) > 1 else \
-                    (args[0] if args else None)
-                self.calls.append((op, sum(t.numel() * t.element_size() for t in _tensors(given))))
-            return func(*args, **(kwargs or {}))
-
-    return Recorder()
 
 
 def _row_parallel_data(batch, tokens, in_features, out_features):
@@ -72,7 +43,7 @@ def _row_parallel_in_rank(fn, shape):
     for sequence_parallel in (False, True):
         x_shard = x.chunk(world_size, dim=-1)[rank].clone()
         w_shard = weight.chunk(world_size, dim=1)[rank].clone()
-        recorder = _recorder()
+        recorder = CollectiveRecorder()
         try:
             with recorder:
                 got = fn(x_shard, w_shard, bias.clone(), sequence_parallel)
@@ -87,10 +58,15 @@ def _row_parallel_in_rank(fn, shape):
     return results
 
 
-def _row_parallel_problem(result, rank, world_size, shape, sequence_parallel):
-    batch, tokens, _, out_features = shape[1:]
+def _expected(shape):
+    """For one case: (the whole output x @ weight.T + bias, the bias), from the checker's own data."""
     x, weight, bias = _row_parallel_data(*shape[1:])
-    full = x @ weight.T + bias
+    return x @ weight.T + bias, bias
+
+
+def _row_parallel_problem(result, rank, world_size, shape, sequence_parallel, expected):
+    batch, tokens, _, out_features = shape[1:]
+    full, bias = expected
     want = full.chunk(world_size, dim=1)[rank] if sequence_parallel else full
     wanted = "one reduce-scatter" if sequence_parallel else "one all-reduce"
     if result["error"]:
@@ -105,16 +81,14 @@ def _row_parallel_problem(result, rank, world_size, shape, sequence_parallel):
         elif sequence_parallel and got.shape[0] * world_size == batch:
             hint = " (that is a slice of the batch, dim 0: sequence parallelism splits the tokens, dim 1)"
         return f"expected shape {tuple(want.shape)}, got {tuple(got.shape)}{hint}"
-    if not torch.allclose(got, want, atol=1e-4, rtol=1e-4):
-        if torch.allclose(got, want + (world_size - 1) * bias, atol=1e-4, rtol=1e-4):
+    problem = difference(want, got, rtol=1e-4, atol=1e-4)
+    if problem:
+        if close(want + (world_size - 1) * bias, got, rtol=1e-4, atol=1e-4):
             return (f"the bias is in the result {world_size} times: every rank added it before the sum. "
                     f"Add it once, after the collective")
-        if torch.allclose(got, want - bias, atol=1e-4, rtol=1e-4):
+        if close(want - bias, got, rtol=1e-4, atol=1e-4):
             return "the bias is missing: add it (once, after the collective)"
-        i = int((got - want).abs().flatten().argmax())
-        index = tuple(int(k) for k in torch.unravel_index(torch.tensor(i), want.shape))
-        return (f"element {index}: expected {want.flatten()[i].item():.4f}, got {got.flatten()[i].item():.4f} "
-                f"(x_shard @ w_shard.T is this rank's partial sum; the output is the sum over ranks)")
+        return f"{problem} (x_shard @ w_shard.T is this rank's partial sum; the output is the sum over ranks)"
     calls = result["calls"]
     partial_bytes = batch * tokens * out_features * 4
     name = "reduce_scatter" if sequence_parallel else "all_reduce"
@@ -138,34 +112,34 @@ def _row_parallel_problem(result, rank, world_size, shape, sequence_parallel):
     return None
 
 
-def check_row_parallel(fn):
+def check_row_parallel(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor]) -> Verdict:
     """Notebook 09: `fn(x_shard, w_shard, bias, sequence_parallel)` is a row-parallel linear layer's
     forward. x_shard is this rank's slice of the input's last dimension (features), w_shard the same
     columns of the weight, bias the whole bias. It returns x @ weight.T + bias on every rank
     (sequence_parallel=False), or this rank's block of tokens of it (sequence_parallel=True). Checked on
     2 and 4 ranks for both: the values, and the collectives each rank made with their bytes."""
     title = "my_row_parallel"
+    wants = {shape: _expected(shape) for shape in ROW_PARALLEL_CASES}
     problems = []
     for shape in ROW_PARALLEL_CASES:
         world_size = shape[0]
-        results, problem, stuck = _launch_case(
+        outcome = runner.run_case(
             _row_parallel_in_rank, world_size, (fn, shape[1:]), f"world_size={world_size}",
-            timeout=2 * HANG_TIMEOUT_S,
+            timeout=2 * runner.HANG_TIMEOUT_S,
             never_finished="they wait in a collective another rank never joined: every rank must make the "
                            "same collective calls, with tensors of the same size",
             partner_left=": another rank left without joining the collective")
-        if problem is _STILL_A_STUB:
-            return Verdict(title, [f"{getattr(fn, '__name__', 'the function')} still raises "
-                                   f"NotImplementedError: fill in the stub"])
-        if problem:
-            problems.append(problem)
-            if stuck:
+        if outcome.kind == "stub":
+            return runner.stub_verdict(title, fn)
+        if not outcome.ok:
+            problems.append(outcome.problem)
+            if outcome.kind == "timeout":
                 break
             continue
         for sequence_parallel in (False, True):
-            for rank, result in enumerate(results):
+            for rank, result in enumerate(outcome.results):
                 problem = _row_parallel_problem(result[sequence_parallel], rank, world_size, shape,
-                                                sequence_parallel)
+                                                sequence_parallel, wants[shape])
                 if problem:
                     problems.append(f"world_size={world_size}, sequence_parallel={sequence_parallel}, "
                                     f"rank {rank}: {problem}")

@@ -1,11 +1,20 @@
-"""Checkers for notebook 00's exercises (re-exported by `ddp_helpers.exercises`)."""
+"""Checker for notebook 00's exercise (re-exported by `ddp_helpers.exercises`): the slowest rank.
+
+The learner's function runs on 2, 3 and 4 Gloo ranks with every collective noted
+(`spies.noting_calls`): each rank's answer, and the collectives each rank called.
+"""
+from __future__ import annotations
+
 import contextlib
 import io
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from . import _COLLECTIVES, _STILL_A_STUB, Verdict, _launch_case, _noting_calls
+from . import runner
+from .spies import COLLECTIVES, noting_calls
+from .verdict import Verdict, close
 
 __all__ = ["check_slowest_rank", "SLOWEST_RANK_CASES"]
 
@@ -19,7 +28,7 @@ def _slowest_in_rank(fn, seconds_per_rank):
     note its name (outermost calls only). Returns (what fn returned, made plain: a (float, int) pair,
     or a string saying what came back instead; the collectives' names in call order)."""
     seconds = torch.tensor([seconds_per_rank[dist.get_rank()]], dtype=torch.float32)
-    with _noting_calls(_COLLECTIVES) as calls, contextlib.redirect_stdout(io.StringIO()):
+    with noting_calls(COLLECTIVES) as calls, contextlib.redirect_stdout(io.StringIO()):
         result = fn(seconds.clone())
     if not isinstance(result, (tuple, list)) or len(result) != 2:
         return f"{type(result).__name__} {result!r}"[:80], list(calls)
@@ -32,36 +41,38 @@ def _slowest_in_rank(fn, seconds_per_rank):
 
 
 def _expected(seconds_per_rank):
-    slowest = max(torch.tensor(seconds_per_rank, dtype=torch.float32).tolist())
-    rank = min(r for r, s in enumerate(torch.tensor(seconds_per_rank, dtype=torch.float32).tolist())
-               if s == slowest)
-    return slowest, rank
+    """(the slowest time as float32 holds it, the lowest rank that has it, whether ranks tie, each rank's own)."""
+    times = torch.tensor(seconds_per_rank, dtype=torch.float32).tolist()
+    slowest = max(times)
+    return slowest, times.index(slowest), times.count(slowest) > 1, times
 
 
-def check_slowest_rank(fn):
+def check_slowest_rank(fn: Callable[[torch.Tensor], tuple[float, int]]) -> Verdict:
     """Notebook 00: `fn(seconds)` gets this rank's measured time (a 1-element float32 tensor) and
     returns `(slowest_seconds, slowest_rank)`, the same on every rank: the largest time of all ranks
     and the rank that measured it (the lowest such rank on a tie), computed with `dist.all_reduce`
     only (at most 2 calls). Checked on 2, 3 and 4 ranks, one case with a tie: each rank's answer and
     the collectives each rank called."""
     title = "slowest_rank"
+    wants = {seconds: _expected(seconds) for seconds in SLOWEST_RANK_CASES}
     problems = []
     for seconds_per_rank in SLOWEST_RANK_CASES:
         world_size = len(seconds_per_rank)
         label = f"world_size={world_size}, seconds={list(seconds_per_rank)}"
-        results, problem, stuck = _launch_case(
-            _slowest_in_rank, world_size, (fn, seconds_per_rank), label, timeout=10,
+        outcome = runner.run_case(
+            _slowest_in_rank, world_size, (fn, seconds_per_rank), label,
             never_finished="they wait in a collective that another rank never calls. Is a collective "
                            "inside an `if`? Every rank must call every collective, in the same order",
             partner_left=": its partner had left without joining the collective. Is a collective inside "
                          "an `if`? Every rank must call every collective")
-        if problem is _STILL_A_STUB:
-            return Verdict(title, [f"{fn.__name__} still raises NotImplementedError: fill in the stub"])
-        if problem:
-            problems.append(problem)
-            if stuck:
+        if outcome.kind == "stub":
+            return runner.stub_verdict(title, fn)
+        if not outcome.ok:
+            problems.append(outcome.problem)
+            if outcome.kind == "timeout":
                 break
             continue
+        results = outcome.results
         calls = [names for _, names in results]
         others = sorted({name for names in calls for name in names if name != "all_reduce"})
         if others:
@@ -77,18 +88,16 @@ def check_slowest_rank(fn):
             problems.append(f"{label}: a rank called dist.all_reduce {most} times: two calls are enough "
                             f"(the largest time, then the rank that has it)")
             continue
-        want_s, want_rank = _expected(seconds_per_rank)
-        tie = sum(s == want_s for s in torch.tensor(seconds_per_rank, dtype=torch.float32).tolist()) > 1
+        want_s, want_rank, tie, mine = wants[seconds_per_rank]
         for rank, (got, _) in enumerate(results):
             if isinstance(got, str):
                 problems.append(f"{label}, rank {rank}: expected a pair (slowest_seconds, slowest_rank), "
                                 f"got {got}")
                 break
             got_s, got_rank = got
-            if abs(got_s - want_s) > 1e-6:
-                mine = float(torch.tensor(seconds_per_rank[rank], dtype=torch.float32))
-                why = (" (its own time: the others' never reached it)" if abs(got_s - mine) <= 1e-6
-                       else " (a sum? use op=dist.ReduceOp.MAX)" if abs(got_s - sum(seconds_per_rank)) < 1e-5
+            if not close(want_s, got_s, atol=1e-6):
+                why = (" (its own time: the others' never reached it)" if close(mine[rank], got_s, atol=1e-6)
+                       else " (a sum? use op=dist.ReduceOp.MAX)" if close(sum(seconds_per_rank), got_s, atol=1e-5)
                        else "")
                 problems.append(f"{label}, rank {rank}: expected the slowest time {want_s:g}, got {got_s:g}{why}")
                 break
