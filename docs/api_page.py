@@ -6,6 +6,7 @@ parameters; everything else is Markdown already (backticks, "- " lists).
 A name listed below that the package no longer has fails the build (the page promises it). A class
 listed without any of its methods gets all its public methods.
 """
+import ast
 import dataclasses
 import importlib
 import inspect
@@ -125,6 +126,30 @@ def document(module, name):
     return f"````{head}\n:module: {module.__name__}\n\n{body}\n````"
 
 
+def module_lines(package="ddp_helpers"):
+    """One line per module of the package, from the first line of its docstring; the machinery
+    (`runtime`) last. A module without a docstring fails the build: each says why it exists."""
+    root = Path(importlib.import_module(package).__file__).parent
+    names = sorted((p.relative_to(root.parent).with_suffix("").as_posix().replace("/", ".")
+                    for p in root.rglob("*.py") if "__pycache__" not in p.parts),
+                   key=lambda n: (".runtime" in n, n))
+    rows = ["| module | what it is for |", "| --- | --- |"]
+    for name in names:
+        name = name.removesuffix(".__init__")
+        if name.endswith("__main__"):
+            continue
+        source = (root.parent / (name.replace(".", "/"))).with_suffix(".py")
+        if not source.exists():
+            source = root.parent / name.replace(".", "/") / "__init__.py"
+        doc = ast.get_docstring(ast.parse(source.read_text(encoding="utf-8")))
+        if not doc:
+            raise ValueError(f"{source}: no module docstring (each module says why it exists)")
+        first = " ".join(doc.split("\n\n")[0].split())
+        first = re.split(r"(?<=\.) (?=[A-Z`])", first)[0].replace("|", "\\|")   # its first sentence
+        rows.append(f"| `{name}` | {first} |")
+    return "\n".join(rows)
+
+
 def api_markdown():
     parts = ["# API: `ddp_helpers`",
              "What the notebooks import, generated from the package's docstrings and signatures "
@@ -141,6 +166,10 @@ def api_markdown():
             if inspect.isclass(obj) and not dataclasses.is_dataclass(obj) and \
                     not any(n.startswith(name + ".") for n in names):
                 parts += [document(module, f"{name}.{m}") for m in public_methods(obj)]
+    parts.append("## The package, module by module")
+    parts.append("The faces a notebook uses stand at the top; `runtime` holds the machinery that starts, "
+                 "watches and stops ranks, which no notebook imports.")
+    parts.append(module_lines())
     return "\n\n".join(parts) + "\n"
 
 
