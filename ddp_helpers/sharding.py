@@ -1,7 +1,11 @@
 """Plumbing for notebook 08 (sharding): count the bytes a rank holds, record what
 FSDP2 does in a step, in order (its hooks and the collectives they issue, with
-dtypes and bytes: `FsdpTrace`), draw the ZeRO stages and the memory table, and
-check the "Try it" exercise.
+dtypes and bytes: `FsdpTrace`), and draw the ZeRO stages and the memory table
+(the plot functions return the figure).
+
+The "Try it" exercise's checker lives with the others (`exercises.sharding`), and is
+re-exported here as `check_shard_and_reassemble`, the name notebook 08 uses; its
+solutions are in `ddp_helpers/solutions.py`.
 
 The lesson's code (the ZeRO-1 step, `fully_shard`, the distributed checkpoint,
 the 2-D mesh) is in the notebook's cells, not here.
@@ -11,11 +15,13 @@ Bytes are counted as PyTorch holds them: the whole storage behind each tensor
 DTensor the local shard's storage.
 """
 import torch
-import torch.distributed as dist
 
 from .collectives import renamed
-from .exercises import Verdict
-from .launcher import WorkerError, WorkerTimeout, launch
+from .exercises.sharding import check_shard_and_reassemble
+from .exercises.spies import DispatchSpy, c10d_collective
+
+__all__ = ["storage_bytes", "rank_memory", "CATEGORIES", "format_table", "plot_memory_table", "plot_zero_stages",
+           "FsdpTrace", "format_gather_order", "all_gather_single", "check_shard_and_reassemble"]
 
 # ---------------------------------------------------------------- memory accounting
 
@@ -127,7 +133,7 @@ def plot_memory_table(rows, title="Bytes per rank: computed (hatched) and what r
     ax.legend(handles=handles, fontsize=10, loc="upper right", ncol=2)
     ax.set_ylim(0, 1.35 * max(sum(r["held"][0].values()) for r in rows))
     fig.tight_layout()
-    plt.show()
+    return fig
 
 
 def plot_zero_stages(world_size=4):
@@ -162,24 +168,23 @@ def plot_zero_stages(world_size=4):
     fig.suptitle(f"Filled: what each of {world_size} ranks keeps (float32 + Adam: 4 + 4 + 8 bytes per parameter)",
                  fontsize=11)
     fig.tight_layout()
-    plt.show()
+    return fig
 
 
 # ---------------------------------------------------------------- what FSDP2 does, in order
 
-def _c10d_name(func):
-    """'all_gather', 'reduce_scatter', 'all_reduce', ... for a c10d op, else None."""
-    name = func._schema.name
-    if not name.startswith("c10d::"):
+def _c10d_name(func, args):
+    """('all_gather' | 'reduce_scatter' | 'all_reduce' | 'broadcast' | ..., the tensors this rank hands
+    in) for a c10d op, else None."""
+    found = c10d_collective(func, args)
+    if not found:
         return None
-    name = name[len("c10d::"):].strip("_").replace("allgather", "all_gather").replace("allreduce", "all_reduce")
-    for base in ("all_gather", "reduce_scatter", "all_reduce", "broadcast"):
-        if base in name:
-            return base
-    return name
+    name, tensors = found
+    return next((base for base in ("all_gather", "reduce_scatter", "all_reduce", "broadcast") if base in name),
+                name), tensors
 
 
-class FsdpTrace:
+class FsdpTrace(DispatchSpy):
     """Records, in order and without a clock, what FSDP2 does in a forward and backward pass.
 
     FSDP2 labels its work with `torch.profiler.record_function` ("FSDP::pre_forward (layers.0)",
@@ -193,27 +198,11 @@ class FsdpTrace:
     """
 
     def __init__(self):
+        super().__init__()
         self.events = []
         self._owner = "?"
-        self._mode = None
 
-    def __enter__(self):
-        from torch.utils._python_dispatch import TorchDispatchMode
-        trace = self
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                trace._see(func, args)
-                return func(*args, **(kwargs or {}))
-
-        self._mode = Mode()
-        self._mode.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self._mode.__exit__(*exc)
-
-    def _see(self, func, args):
+    def see(self, func, args):
         if func._schema.name.startswith("profiler::_record_function_enter"):
             label = str(args[0]) if args else ""
             if label.startswith("FSDP::"):
@@ -224,12 +213,9 @@ class FsdpTrace:
                 elif what in ("all_gather", "post_backward_reduce"):
                     self._owner = module
             return
-        collective = _c10d_name(func)
-        if collective:
-            # (output, input, ...) for an all-gather or a reduce-scatter: the input is what this rank
-            # contributes; an all-reduce or a broadcast: its first argument
-            sent = args[1] if collective in ("all_gather", "reduce_scatter") and len(args) > 1 else args[0]
-            sent = [sent] if isinstance(sent, torch.Tensor) else [t for t in sent if isinstance(t, torch.Tensor)]
+        found = _c10d_name(func, args)
+        if found:
+            collective, sent = found
             self.events.append((collective, self._owner, sent[0].dtype if sent else None,
                                 sum(t.numel() * t.element_size() for t in sent)))
 
@@ -264,173 +250,8 @@ def format_gather_order(orders):
     return "\n".join(lines)
 
 
-# ---------------------------------------------------------------- the "Try it" checker
-
-# (world size, shape of the full tensor): dims the world size divides and dims it does not,
-# including fewer rows than ranks (some ranks then hold nothing but padding)
-_SHARD_CASES = [(2, (6, 3)), (2, (5, 2)), (3, (7,)), (4, (10, 3)), (4, (3, 5)), (4, (1, 2))]
-
-def _collective_recorder():
-    """A dispatch mode that records every c10d collective as (name, bytes this rank sends).
-
-    It sees the collectives below torch.distributed's Python functions, so a call counts however
-    the learner reached it (dist.<name>, an older alias, or a variable holding the function)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Recorder(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.calls = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func._schema.name
-            if name.startswith("c10d::"):
-                op = name[len("c10d::"):].strip("_").replace("allgather", "all_gather").replace(
-                    "allreduce", "all_reduce").replace("_base", "")
-                sent = args[1] if op.startswith("all_gather") and len(args) > 1 else args[0] if args else None
-                sent = [sent] if isinstance(sent, torch.Tensor) else list(sent or [])
-                self.calls.append((op, sum(t.numel() * t.element_size() for t in sent
-                                           if isinstance(t, torch.Tensor))))
-            return func(*args, **(kwargs or {}))
-
-    return Recorder()
-
-
-def _full_tensor(shape):
-    """The tensor the checker shards: 1, 2, 3, ... (never 0, so padding is easy to tell apart)."""
-    return torch.arange(1, 1 + torch.Size(shape).numel(), dtype=torch.float32).reshape(shape)
-
-
-def expected_shard(full, rank, world_size):
-    """What FSDP2 keeps on `rank`: the rows torch.chunk(dim=0) gives it, zero-padded to
-    ceil(rows / world_size) rows, the size every rank's shard has."""
-    rows = -(-full.shape[0] // world_size)
-    shard = full.new_zeros((rows,) + tuple(full.shape[1:]))
-    mine = full[rank * rows:(rank + 1) * rows]
-    shard[:len(mine)] = mine
-    return shard
-
-
-def _tensor_problem(what, want, got):
-    """None when equal, else what differs first (shape, or element with its index)."""
-    if not isinstance(got, torch.Tensor):
-        return f"{what} returned {type(got).__name__}, expected a tensor"
-    if tuple(got.shape) != tuple(want.shape):
-        return f"{what}: expected shape {tuple(want.shape)}, got {tuple(got.shape)}"
-    if got.dtype != want.dtype:
-        return f"{what}: expected dtype {want.dtype}, got {got.dtype}"
-    wrong = (got != want).flatten().nonzero()
-    if len(wrong):
-        i = int(wrong[0])
-        index = tuple(int(k) for k in torch.unravel_index(torch.tensor(i), want.shape)) if want.dim() else ()
-        w, g = want.flatten()[i].item(), got.flatten()[i].item()
-        return f"{what}: element {index}: expected {w:g}{' (padding)' if w == 0 else ''}, got {g:g}"
-    return None
-
-
-def _shard_case_in_rank(shard_fn, reassemble_fn, shape):
-    """Inside a rank: the learner's shard, then the learner's reassembly of the true shard,
-    with every collective recorded as (name, bytes sent by this rank)."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    full = _full_tensor(shape)
-    try:
-        shard = shard_fn(full.clone(), rank, world_size)
-    except NotImplementedError:
-        raise
-    except Exception as err:
-        return {"shard_error": f"{type(err).__name__}: {err}"}
-    recorder = _collective_recorder()
-    try:
-        with recorder:
-            got = reassemble_fn(expected_shard(full, rank, world_size), full.shape[0])
-        error = None
-    except NotImplementedError:
-        raise
-    except Exception as err:
-        got, error = None, f"{type(err).__name__}: {err}"
-    calls = recorder.calls
-    return {"shard": shard, "calls": calls, "full": got, "error": error}
-
-
-def _shard_problems(result, rank, world_size, shape):
-    full = _full_tensor(shape)
-    want = expected_shard(full, rank, world_size)
-    if "shard_error" in result:
-        return f"my_shard raised {result['shard_error']}"
-    real_rows = max(0, min(want.shape[0], shape[0] - rank * want.shape[0]))
-    problem = _tensor_problem("my_shard", want, result["shard"])
-    if problem:
-        if isinstance(result["shard"], torch.Tensor) and result["shard"].shape[:1] == (real_rows,) != want.shape[:1]:
-            problem += (f" (torch.chunk gives rank {rank} {real_rows} row(s); pad with zeros to {want.shape[0]}, "
-                        f"so that every rank's shard has the same size for the all-gather)")
-        return problem
-    if result["error"]:
-        return f"my_reassemble raised {result['error']}"
-    problem = _tensor_problem("my_reassemble", full, result["full"])
-    calls = result["calls"]
-    shard_bytes = want.numel() * want.element_size()
-    others = [name for name, _ in calls if not name.startswith("all_gather")]
-    gathers = [(name, n) for name, n in calls if name.startswith("all_gather")]
-    if others:
-        return (f"my_reassemble called dist.{others[0]}: FSDP rebuilds a parameter with one all-gather, "
-                f"nothing else")
-    if not gathers:
-        return "my_reassemble made no collective call: the other ranks' rows can only come from an all-gather"
-    if len(gathers) > 1:
-        return f"my_reassemble called an all-gather {len(gathers)} times: one call for the whole tensor is enough"
-    name, sent = gathers[0]
-    if sent != shard_bytes:
-        return (f"my_reassemble's all-gather sent {sent} bytes from this rank; the padded shard is "
-                f"{shard_bytes} bytes: gather the padded shards, then drop the padding")
-    return problem
-
-
-def check_shard_and_reassemble(shard_fn, reassemble_fn):
-    """Notebook 08: `shard_fn(full, rank, world_size)` returns this rank's padded dim-0 shard, as
-    FSDP2 stores it; `reassemble_fn(shard, rows)` (inside a rank) returns the full tensor from one
-    all-gather of the padded shards, padding dropped. Checked on real ranks, for world sizes and
-    row counts that divide and that do not, with every collective recorded (calls and bytes)
-    below torch.distributed's Python functions."""
-    title = "my_shard + my_reassemble"
-    problems = []
-    for world_size, shape in _SHARD_CASES:
-        label = f"world_size={world_size}, shape {shape}"
-        try:
-            results = launch(_shard_case_in_rank, world_size, args=(shard_fn, reassemble_fn, shape),
-                             timeout=20, quiet=True)
-        except WorkerTimeout as err:
-            problems.append(f"{label}: rank(s) {err.unfinished_ranks} never finished: every rank must make the "
-                            f"same collective calls, with shards of the same size")
-            break
-        except WorkerError as err:
-            if err.exc_type == "NotImplementedError":
-                return Verdict(title, ["still raises NotImplementedError: fill in the stubs"])
-            problems.append(f"{label}: rank {err.rank}: {str(err).splitlines()[0][:300]}")
-            continue
-        for rank, result in enumerate(results):
-            problem = _shard_problems(result, rank, world_size, shape)
-            if problem:
-                problems.append(f"{label}, rank {rank}: {problem}")
-                break
-    return Verdict(title, problems)
-
-
-# ---------------------------------------------------------------- reference solutions (try first!)
-
-def solution_shard(full, rank, world_size):
-    rows = -(-full.shape[0] // world_size)                       # ceil: the size of every rank's shard
-    shard = torch.zeros((rows,) + tuple(full.shape[1:]), dtype=full.dtype)
-    mine = full[rank * rows:(rank + 1) * rows]                   # what torch.chunk gives this rank (maybe 0 rows)
-    shard[:len(mine)] = mine
-    return shard
-
+# ---------------------------------------------------------------- the "Try it" exercise
 
 def all_gather_single(output, input):
     """dist.all_gather_single (torch 2.14's name) or dist.all_gather_into_tensor (older torch)."""
     return renamed("all_gather_single")(output, input)
-
-
-def solution_reassemble(shard, rows):
-    out = torch.empty((shard.shape[0] * dist.get_world_size(),) + tuple(shard.shape[1:]), dtype=shard.dtype)
-    all_gather_single(out, shard)                                # every rank's padded shard, in rank order
-    return out[:rows]                                            # drop the padding at the end

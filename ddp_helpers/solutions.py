@@ -175,6 +175,25 @@ def slowest_rank(seconds):
     return slowest.item(), int(who.item())
 
 
+# ---- Notebook 08 --------------------------------------------------------------------------------
+
+def solution_shard(full, rank, world_size):
+    """Notebook 08: this rank's padded dim-0 shard, as FSDP2 stores it."""
+    rows = -(-full.shape[0] // world_size)                       # ceil: the size of every rank's shard
+    shard = torch.zeros((rows,) + tuple(full.shape[1:]), dtype=full.dtype)
+    mine = full[rank * rows:(rank + 1) * rows]                   # what torch.chunk gives this rank (maybe 0 rows)
+    shard[:len(mine)] = mine
+    return shard
+
+
+def solution_reassemble(shard, rows):
+    """Notebook 08: the full tensor from ONE all-gather of every rank's padded shard, padding dropped."""
+    out = torch.empty((shard.shape[0] * dist.get_world_size(),) + tuple(shard.shape[1:]), dtype=shard.dtype)
+    all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor   # by torch version
+    all_gather_single(out, shard)                                # every rank's padded shard, in rank order
+    return out[:rows]                                            # drop the padding at the end
+
+
 # ---- Notebook 09 --------------------------------------------------------------------------------
 
 def row_parallel(x_shard, w_shard, bias, sequence_parallel):

@@ -5,14 +5,15 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ddp_helpers import launch, sharding
+from ddp_helpers import launch, sharding, solutions
+from ddp_helpers.exercises.sharding import expected_shard, full_tensor
 from ddp_helpers.sharding import all_gather_single
 
 
 # ---------------------------------------------------------------- the checker
 
 def test_solution_passes():
-    verdict = sharding.check_shard_and_reassemble(sharding.solution_shard, sharding.solution_reassemble)
+    verdict = sharding.check_shard_and_reassemble(solutions.solution_shard, solutions.solution_reassemble)
     assert verdict, repr(verdict)
     assert "correct" in repr(verdict)
 
@@ -21,7 +22,7 @@ def test_stubs_say_fill_in():
     def stub_shard(full, rank, world_size):
         raise NotImplementedError
 
-    verdict = sharding.check_shard_and_reassemble(stub_shard, sharding.solution_reassemble)
+    verdict = sharding.check_shard_and_reassemble(stub_shard, solutions.solution_reassemble)
     assert not verdict and "NotImplementedError" in repr(verdict)
 
 
@@ -66,27 +67,27 @@ def reassemble_per_row(shard, rows):                   # one all-gather per row:
 
 
 def test_unpadded_shard_is_named():
-    problems = repr(sharding.check_shard_and_reassemble(unpadded_shard, sharding.solution_reassemble))
+    problems = repr(sharding.check_shard_and_reassemble(unpadded_shard, solutions.solution_reassemble))
     assert "rank 1" in problems and "expected shape" in problems and "pad with zeros" in problems, problems
 
 
 def test_wrong_rows_name_rank_and_element():
-    problems = repr(sharding.check_shard_and_reassemble(wrong_rows_shard, sharding.solution_reassemble))
+    problems = repr(sharding.check_shard_and_reassemble(wrong_rows_shard, solutions.solution_reassemble))
     assert "world_size=2, shape (5, 2), rank 0: my_shard: element (2, 0): expected 5, got 0" in problems, problems
 
 
 def test_all_reduce_is_rejected_although_the_result_is_right():
-    problems = repr(sharding.check_shard_and_reassemble(sharding.solution_shard, reassemble_with_all_reduce))
+    problems = repr(sharding.check_shard_and_reassemble(solutions.solution_shard, reassemble_with_all_reduce))
     assert "dist.all_reduce" in problems and "one all-gather" in problems, problems
 
 
 def test_padding_left_in_is_named():
-    problems = repr(sharding.check_shard_and_reassemble(sharding.solution_shard, reassemble_keeping_padding))
+    problems = repr(sharding.check_shard_and_reassemble(solutions.solution_shard, reassemble_keeping_padding))
     assert "world_size=2, shape (5, 2), rank 0: my_reassemble: expected shape (5, 2), got (6, 2)" in problems, problems
 
 
 def test_several_all_gathers_are_rejected():
-    problems = repr(sharding.check_shard_and_reassemble(sharding.solution_shard, reassemble_per_row))
+    problems = repr(sharding.check_shard_and_reassemble(solutions.solution_shard, reassemble_per_row))
     assert "all-gather 3 times" in problems, problems
 
 
@@ -97,13 +98,13 @@ def test_expected_shard_matches_fully_shard():
         from torch.distributed.fsdp import fully_shard
         layer = nn.Linear(2, 3, bias=False)
         with torch.no_grad():
-            layer.weight.copy_(sharding._full_tensor((3, 2)))
+            layer.weight.copy_(full_tensor((3, 2)))
         fully_shard(layer, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
         local = layer.weight.to_local()
         return local.clone(), local.untyped_storage().nbytes()
 
     for rank, (local, nbytes) in enumerate(launch(shard_like_fsdp, 2)):
-        want = sharding.expected_shard(sharding._full_tensor((3, 2)), rank, 2)
+        want = expected_shard(full_tensor((3, 2)), rank, 2)
         assert torch.equal(local, want[:len(local)]) and nbytes == want.numel() * 4
 
 
@@ -168,9 +169,9 @@ def test_a_collective_held_in_a_variable_is_seen():
         reduce(out)
         return out[:rows]
 
-    verdict = sharding.check_shard_and_reassemble(sharding.solution_shard, reassemble)
+    verdict = sharding.check_shard_and_reassemble(solutions.solution_shard, reassemble)
     assert verdict, repr(verdict)
-    problems = repr(sharding.check_shard_and_reassemble(sharding.solution_shard, reassemble_all_reduce))
+    problems = repr(sharding.check_shard_and_reassemble(solutions.solution_shard, reassemble_all_reduce))
     assert "dist.all_reduce" in problems, problems
 
 
