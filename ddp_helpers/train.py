@@ -17,6 +17,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch import Tensor, nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Subset
@@ -57,7 +58,7 @@ class Config:
     live: bool = option(False, "rank 0 prints metric lines for ddp_helpers.live")
 
 
-def checks(c):
+def checks(c: Config) -> list[tuple[bool, str]]:
     """What makes a run impossible, found before any process starts: (ok, message) pairs."""
     below_1 = [f"{n}={getattr(c, n)}" for n in ("width", "epochs", "batch_size", "log_every", "per_class",
                "test_per_class", "max_steps", "fail_at_step") if getattr(c, n) is not None and getattr(c, n) < 1]
@@ -77,7 +78,7 @@ def checks(c):
             *checkpoint_checks(c.checkpoint)]
 
 
-def checkpoint_checks(template):
+def checkpoint_checks(template: str | None) -> list[tuple[bool, str]]:
     """The checkpoint name takes {epoch} only, and its folder (or the nearest that exists) must be writable."""
     if template is None:
         return []
@@ -93,13 +94,13 @@ def checkpoint_checks(template):
     return [(why is None, f"checkpoint={template!r}: {why}")]
 
 
-def make_config(**settings):
+def make_config(**settings) -> Config:
     """A checked Config: a clear error for an unknown name or a bad value, before any work."""
     return settings_.make(Config, checks, **settings)
 
 
 # ------------------------------------------------------------------ 1. setup
-def setup(cfg):
+def setup(cfg: Config) -> tuple[torch.device, bool]:
     """Join the process group and pick this rank's device. Returns (device, whether we made the
     group).
 
@@ -136,15 +137,15 @@ NORMALIZE = [v2.ToDtype(torch.float32, scale=True), v2.Normalize(data.MEAN, data
 class Plain:
     """How this trainer builds a run. A speed layer subclasses it and replaces methods."""
 
-    def build_model(self, cfg, device):
+    def build_model(self, cfg: Config, device: torch.device) -> nn.Module:
         torch.manual_seed(cfg.seed)  # the same initial weights on all ranks (DDP sends rank 0's)
         return models.build_model(cfg.model, cfg.width).to(device)
 
-    def wrap(self, model, device):
+    def wrap(self, model: nn.Module, device: torch.device) -> nn.Module:
         """DDP: one device per process; gradients are averaged over ranks during backward."""
         return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
 
-    def loaders(self, cfg, device):
+    def loaders(self, cfg: Config, device: torch.device) -> tuple[DataLoader, DataLoader]:
         """This rank's share of the training set (reshuffled each epoch) and of the test set:
         batches of uint8 images and their labels (`prepare` readies them on the device)."""
         train_set = data.Images(data.load_cifar10(True, cfg.data, cfg.per_class))
@@ -164,7 +165,8 @@ class Plain:
         mine = Subset(test_set, range(dist.get_rank(), len(test_set), dist.get_world_size()))
         return train_loader, DataLoader(mine, 1000)
 
-    def prepare(self, images, labels, device, randomness=None):
+    def prepare(self, images: Tensor, labels: Tensor, device: torch.device,
+                randomness: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
         """A batch on this rank's device, ready for the model. In training (`randomness`: a random
         generator) each image is cropped at random (shifted by up to 4 pixels, edges mirrored) and
         flipped with probability 1/2; then all are scaled to mean 0 and std 1 per channel. A few
@@ -176,7 +178,7 @@ class Plain:
             images = data.augment(images, pad=4, generator=randomness).contiguous()
         return data.normalize(images), labels
 
-    def optimizer(self, model, cfg, total_steps):
+    def optimizer(self, model: nn.Module, cfg: Config, total_steps: int):
         """SGD with Nesterov momentum; the learning rate rises for a quarter of the steps, then
         falls."""
         optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9, nesterov=True,
@@ -186,7 +188,7 @@ class Plain:
             anneal_strategy="linear", cycle_momentum=False)
         return optimizer, schedule
 
-    def forward_backward(self, model, images, labels):
+    def forward_backward(self, model: nn.Module, images: Tensor, labels: Tensor) -> Tensor:
         """The loss of one batch; its gradients, averaged over ranks by DDP, land in .grad."""
         model.zero_grad(set_to_none=True)  # else backward adds to the last step's gradients
         with torch.autocast(images.device.type, torch.bfloat16, enabled=images.is_cuda):
@@ -194,15 +196,15 @@ class Plain:
         loss.backward()  # DDP all-reduces the gradients here, bucket by bucket, during backward
         return loss.detach()
 
-    def predict(self, model, images):
+    def predict(self, model: nn.Module, images: Tensor) -> Tensor:
         with torch.autocast(images.device.type, torch.bfloat16, enabled=images.is_cuda):
             return model(images).float()
 
-    def close(self):
+    def close(self) -> None:
         """Free what the run holds before the process group goes (nothing here)."""
 
 
-def rise(share, total_steps):
+def rise(share: float, total_steps: int) -> float:
     """OneCycleLR's pct_start. Its rise ends at step share x total_steps - 1; at step 0 (4 steps of
     0.25) it divides by zero, so there the rise takes 2 steps instead of 1."""
     return 2 / total_steps if share * total_steps == 1 and total_steps >= 2 else share
@@ -229,7 +231,7 @@ class Trainer:
     log: Log = None                  # the record, and what rank 0 prints (ddp_helpers.progress)
 
 
-def build(cfg, recipe, device):
+def build(cfg: Config, recipe: Plain, device: torch.device) -> Trainer:
     if cfg.fail_at_step and cfg.fail_rank >= dist.get_world_size():
         raise ValueError(f"fail_rank={cfg.fail_rank}, but there are {dist.get_world_size()} rank(s)")
     train_loader, test_loader = recipe.loaders(cfg, device)
@@ -244,7 +246,7 @@ def build(cfg, recipe, device):
 
 
 # ------------------------------------------------------------- 6. training
-def run(recipe=None, **settings):
+def run(recipe: Plain | None = None, **settings) -> dict:
     """Train with the given settings (Config, or --help); every rank returns the same record
     (ddp_helpers.progress): steps (loss per rank, lr, images/s), epochs, test_loss, test_accuracy,
     train_seconds, total_seconds (first step to final accuracy), peak_memory_gb (GPU), config."""
@@ -260,7 +262,7 @@ def run(recipe=None, **settings):
             dist.destroy_process_group()
 
 
-def train(t):
+def train(t: Trainer) -> dict:
     speedups = dataclasses.asdict(t.recipe) if dataclasses.is_dataclass(t.recipe) else {}
     t.log = Log(t, {**dataclasses.asdict(t.cfg), **speedups}, restart_count())
     resume = find_resume(t)
@@ -286,7 +288,7 @@ def train(t):
     return t.log.end(t, test_loss, accuracy, now - eval_start, now - start)  # time to accuracy: all included
 
 
-def train_one_epoch(t, epoch):
+def train_one_epoch(t: Trainer, epoch: int) -> float:
     """One pass over this rank's share of the training set; returns the seconds it took."""
     t.model.train()
     t.train_loader.sampler.set_epoch(epoch)  # a new shuffle each epoch (else all repeat the first)
@@ -313,7 +315,7 @@ def train_one_epoch(t, epoch):
     return time.perf_counter() - start
 
 
-def log_steps(t, epoch, losses, lrs, window_start):
+def log_steps(t: Trainer, epoch: int, losses: list, lrs: list, window_start: float) -> None:
     """Every rank's loss for the last steps, in one all_gather (its copy to the CPU waits for the
     GPU)."""
     peak = torch.cuda.max_memory_allocated(t.device) / 1e9 if t.device.type == "cuda" else 0.0
@@ -326,7 +328,7 @@ def log_steps(t, epoch, losses, lrs, window_start):
 
 
 @torch.no_grad()
-def evaluate(t):
+def evaluate(t: Trainer) -> tuple[float, float]:
     """Each rank scores its share of the test set; one all_reduce sums (loss, correct, count) over
     ranks."""
     t.module.eval()
@@ -349,7 +351,7 @@ def evaluate(t):
 
 
 # ----------------------------------------------------------- 7. checkpoints
-def save_checkpoint(t, path, epoch):
+def save_checkpoint(t: Trainer, path: str, epoch: int) -> None:
     """Rank 0 writes the training state while the others wait: the first barrier makes sure every
     rank finished the epoch, the second that nobody goes on before the file exists."""
     barrier(t.device)
@@ -361,7 +363,7 @@ def save_checkpoint(t, path, epoch):
     barrier(t.device)
 
 
-def write_privately(state, path):
+def write_privately(state: dict, path: str) -> None:
     """torch.save to a temporary file of our own, renamed over `path` (`files.atomic_write`): a
     reader sees the old file or the new one, never half of one. Only the owner may read it (0600,
     a new folder 0700) unless the learner chose a shared folder: one with the setgid bit
@@ -380,7 +382,7 @@ def write_privately(state, path):
         raise
 
 
-def find_resume(t):
+def find_resume(t: Trainer) -> str | None:
     """The checkpoint to load, or None. For --resume auto rank 0 looks and tells the others."""
     if t.cfg.resume != "auto":
         return t.cfg.resume
@@ -391,7 +393,7 @@ def find_resume(t):
     return choice[0]
 
 
-def load_checkpoint(t, path):
+def load_checkpoint(t: Trainer, path: str) -> None:
     """Continue after the checkpoint's epoch: with the settings it was saved with, exactly as if
     never stopped. With another length, batch size or world size, this run's schedule is moved on
     to the step this run would be at, and a line says so (weights and momentum come from the
@@ -421,19 +423,19 @@ def load_checkpoint(t, path):
             f"the checkpoint's run had {total} ({per_epoch} an epoch)")
 
 
-def settings_of(param_groups):
+def settings_of(param_groups: list[dict]) -> list[dict]:
     """An optimizer's settings (learning rates, momentum, ...), without its parameters and current lr."""
     return [{k: v for k, v in group.items() if k not in ("params", "lr")} for group in param_groups]
 
 
 # ---------------------------------------------------------------- 10. CLI
-def parse_args(argv=None):
+def parse_args(argv: list[str] | None = None) -> Config:
     return settings_.parse_args(Config, checks, argv, prog="python -m ddp_helpers.train",
                                 description="Train CIFAR-10 with DDP. Start it with torchrun, e.g. torchrun "
                                 "--standalone --nproc-per-node=2 -m ddp_helpers.train --width 16 --epochs 2")
 
 
-def main(argv=None):
+def main(argv: list[str] | None = None) -> int:
     record = run(**dataclasses.asdict(parse_args(argv)))  # 9: run() destroys the group it made
     return 0 if math.isfinite(record["test_loss"]) else 1
 
