@@ -1,17 +1,23 @@
 """Pictures for notebooks 09 and 10 (tensor, sequence, pipeline and context parallelism).
 
-Each function is self-contained: it takes what the ranks returned and draws it (returning nothing,
-so a notebook shows each picture once).
+Each function is self-contained: it takes what the ranks returned, draws it with pyplot and returns
+the figure, showing nothing itself (as `plots`: `fig = parallel_plots.show_placements(...)` as a
+cell's last line, or `plt.show()` after it when the cell prints more).
 """
+from __future__ import annotations
+
+from collections.abc import Sequence
+
 import matplotlib.pyplot as plt
 import torch
+from matplotlib.figure import Figure
 
 
 def _rank_colour(rank):
     return plt.get_cmap("tab10")(rank % 10)
 
 
-def digit_ranks(value, world_size):
+def digit_ranks(value: float, world_size: int) -> list[int]:
     """The ranks whose digit is non-zero in `value`, where rank r's data are multiples of 10**r
     (1..9 times 10**r): one rank for data that moved, several for a sum of the ranks' terms."""
     digits = f"{int(round(abs(float(value)))):0{world_size}d}"[::-1]
@@ -49,7 +55,8 @@ def _draw_local(ax, local, world_size, pixels=12):
               interpolation="nearest")
 
 
-def show_placements(per_rank, stages, title, notes=None):
+def show_placements(per_rank: Sequence[Sequence[torch.Tensor]], stages: Sequence[str], title: str,
+                    notes: Sequence[str] | None = None) -> Figure:
     """Each rank's local tensor (rows: ranks) at each stage (columns) of a chain of redistributions.
 
     per_rank[r][s] is rank r's local tensor at stage s, data made so that rank r's numbers are
@@ -83,10 +90,10 @@ def show_placements(per_rank, stages, title, notes=None):
                labels=[f"from rank {r}" for r in range(world_size)], loc="lower center",
                ncol=world_size, frameon=False, fontsize=9)
     fig.tight_layout(rect=(0, 0.06, 1, 1))
-    plt.show()
+    return fig
 
 
-def activation_bars(rows, title):
+def activation_bars(rows: dict[str, dict[str, float]], title: str) -> Figure:
     """Bytes saved for backward per rank, stacked by where they were saved.
 
     rows: {label: {part: bytes}}, e.g. {"one process": {...}, "TP, 2 ranks": {...}}; one bar per label.
@@ -108,7 +115,7 @@ def activation_bars(rows, title):
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8, loc="lower right", frameon=False)
     fig.tight_layout()
-    plt.show()
+    return fig
 
 
 __all__ = ["digit_ranks", "show_placements", "activation_bars"]

@@ -3,8 +3,14 @@ pipeline's forward and backward passes, and the blocks of a ring attention.
 
 Plotting only: the pipelines, the replay of a schedule's order of actions and ring attention
 are the notebook's own cells. matplotlib is imported inside each function, so ranks that import
-this module never load it.
+this module never load it. Each function returns its figure and shows nothing itself (as `plots`).
 """
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 _F, _B = "#4C72B0", "#DD8452"          # forward blue, backward orange (darker for a second chunk)
 _F2, _B2 = "#8FB0E0", "#F2B98F"
@@ -30,7 +36,8 @@ def _draw(ax, per_rank, unit, origin, p):
     ax.set_ylim(len(per_rank) - 0.4, -0.6)
 
 
-def timelines(runs, unit="ms", title=None, interleaved_p=None):
+def timelines(runs: dict[str, list[list[tuple]]], unit: str = "ms", title: str | None = None,
+              interleaved_p: int | None = None) -> Figure:
     """runs: {label: per_rank}, per_rank[r] = [(kind 'F'|'B', stage, micro-batch, start, end)].
 
     unit="ms": start/end are seconds from time.perf_counter (one clock for every process of the
@@ -56,10 +63,10 @@ def timelines(runs, unit="ms", title=None, interleaved_p=None):
     if title:
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    plt.show()
+    return fig
 
 
-def ring_blocks(world_size=4, causal=True):
+def ring_blocks(world_size: int = 4, causal: bool = True) -> Figure:
     """Which key/value block each rank uses at each step of ring attention: rank r holds query
     block r and, at step s, the key/value block of rank (r - s) mod n. Causal: blocks after the
     query block are skipped (grey), the diagonal block is masked inside (half-filled)."""
@@ -89,4 +96,4 @@ def ring_blocks(world_size=4, causal=True):
     fig.suptitle("Ring attention: the key/value block each rank (row) combines at each step, coloured by "
                  "the rank it came from", fontsize=9)
     fig.tight_layout()
-    plt.show()
+    return fig

@@ -1,12 +1,23 @@
 """Pictures of what the ranks hold: a coloured grid per rank, before and after
 a collective, and a stepper that walks a ring all-reduce chunk by chunk.
 
-All functions take the real tensors that the workers returned, and draw (they
-return nothing, so a notebook shows each picture once).
+All functions take the real tensors that the workers returned, draw with pyplot and return the
+figure (or the Axes they drew into), showing nothing themselves: a notebook cell shows a figure
+once, at its end (`fig = plots.show_ranks(...)`; a bare call as the cell's last line would show it
+twice: as the cell's value too), or where it calls `plt.show()`; a script saves it or calls `plt.show()`.
 """
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
 import matplotlib.pyplot as plt
 import torch
 from matplotlib import colors, patheffects
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+
+Tensors = Any   # a tensor, a list of tensors, or None: what a rank holds at one stage
 
 
 def _as_rows(value):
@@ -34,13 +45,14 @@ def _draw_row(ax, row, norm, cmap, label_fmt="{:g}", colour_of=None):
         ax.text(i, 0, label_fmt.format(v), ha="center", va="center", fontsize=9, color=ink)
 
 
-def source_rank(value):
+def source_rank(value: float) -> int:
     """The rank a value came from, in notebook 03's data: rank r starts with 10·r + i, so the tens
     digit names the rank (rank 0's scatter list, 100·j + i, has tens digit 0: it all comes from rank 0)."""
     return int(value) // 10 % 10
 
 
-def show_ranks(per_rank, title, stages=("before", "after"), cmap="viridis", colour_by="value"):
+def show_ranks(per_rank: Sequence[Sequence[Tensors]], title: str, stages: Sequence[str] = ("before", "after"),
+               cmap: str = "viridis", colour_by: str = "value") -> Figure:
     """Draw each rank's tensors, one row per rank, one column per stage.
 
     per_rank[r] is a tuple with one tensor (or list of tensors, or None) per stage,
@@ -81,7 +93,7 @@ def show_ranks(per_rank, title, stages=("before", "after"), cmap="viridis", colo
         fig.tight_layout(rect=(0, 0.08, 1, 1))
     else:
         fig.tight_layout()
-    plt.show()
+    return fig
 
 
 def _contributions(inputs, op, rank, j, out_len, value, scattered):
@@ -102,7 +114,8 @@ def _contributions(inputs, op, rank, j, out_len, value, scattered):
     raise ValueError(f"op must be None, 'sum', 'avg', 'max' or 'min', not {op!r}")
 
 
-def show_contributions(per_rank, title, stages=("before", "after"), ops=(None, "sum"), scattered=False):
+def show_contributions(per_rank: Sequence[Sequence[Tensors]], title: str, stages: Sequence[str] = ("before", "after"),
+                       ops: Sequence[str | None] = (None, "sum"), scattered: bool = False) -> Figure:
     """Draw who contributed to each element of a reduction: one row per rank, one column per stage.
 
     per_rank[r] is a tuple with one tensor (or None) per stage, the first being rank r's input.
@@ -153,7 +166,7 @@ def show_contributions(per_rank, title, stages=("before", "after"), ops=(None, "
                labels=[f"from rank {i}" for i in range(world)], loc="lower center",
                ncol=world, frameon=False, fontsize=9)
     fig.tight_layout(rect=(0, 0.08, 1, 1))
-    plt.show()
+    return fig
 
 
 def _contributors(value, world_size):
@@ -162,7 +175,7 @@ def _contributors(value, world_size):
     return sum(d != "0" for d in digits[:world_size])
 
 
-def draw_ring_step(snapshots, step, ax=None):
+def draw_ring_step(snapshots: Sequence[Sequence[Sequence[torch.Tensor]]], step: int, ax: Axes | None = None) -> Axes:
     """One step of `collectives.ring_all_reduce_steps`, all ranks: rows are ranks,
     columns are chunks, colour = how many ranks' data a chunk already holds."""
     world_size = len(snapshots)
@@ -186,8 +199,9 @@ def draw_ring_step(snapshots, step, ax=None):
     return ax
 
 
-def ring_stepper(snapshots):
-    """An ipywidgets slider that walks through the ring all-reduce step by step."""
+def ring_stepper(snapshots: Sequence[Sequence[Sequence[torch.Tensor]]]) -> Any:
+    """An ipywidgets slider that walks through the ring all-reduce step by step (a widget, not a figure:
+    each frame is drawn and shown by the slider's callback, the one plt.show() of this module)."""
     import ipywidgets as widgets
 
     steps = len(snapshots[0]) - 1
@@ -201,7 +215,7 @@ def ring_stepper(snapshots):
     return widgets.interactive(show, step=slider)
 
 
-def ring_all_steps(snapshots):
+def ring_all_steps(snapshots: Sequence[Sequence[Sequence[torch.Tensor]]]) -> Figure:
     """Every step of the ring (the stepper's frames, for a printed page), in two rows that fit a
     notebook's width: the start and the reduce-scatter steps above, the all-gather steps below."""
     n = len(snapshots)
@@ -212,7 +226,8 @@ def ring_all_steps(snapshots):
             ax = axes[row][col]
             if step is None:
                 ax.axis("off")
-                ax.text(0.5, 0.5, "after reduce-scatter,\neach rank owns the\nfull sum of one chunk\n(dark); now share them",
+                ax.text(0.5, 0.5, "after reduce-scatter,\neach rank owns the\nfull sum of one chunk\n"
+                        "(dark); now share them",
                         ha="center", va="center", fontsize=9, transform=ax.transAxes)
                 continue
             draw_ring_step(snapshots, step, ax)
@@ -223,10 +238,10 @@ def ring_all_steps(snapshots):
             for text in ax.texts:
                 text.set_fontsize(8)
     fig.tight_layout()
-    plt.show()
+    return fig
 
 
-def latency_plot(rows, label, ax=None):
+def latency_plot(rows: Sequence[tuple[int, float]], label: str, ax: Axes | None = None) -> Axes:
     """Round-trip time against message size, log-log; rows are (bytes, microseconds). The legend
     goes below the axes, where it covers no point of any curve."""
     ax = ax or plt.gca()
@@ -239,7 +254,7 @@ def latency_plot(rows, label, ax=None):
     return ax
 
 
-def overlap_timeline(timelines):
+def overlap_timeline(timelines: Sequence[dict]) -> Figure:
     """DDP's all-reduces against the backward pass, one row per run, the first on top: the dicts
     `data_parallel.backward_timeline` returns, each with a "label" (e.g. the bucket size).
     Blue: from the start of backward to the last gradient written; black ticks: each gradient
@@ -259,14 +274,15 @@ def overlap_timeline(timelines):
     ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color="tab:blue", alpha=0.5),
                        plt.Line2D([0], [0], color="black", linewidth=1),
                        plt.Rectangle((0, 0), 1, 1, color="tab:orange")],
-              labels=["backward, until the last gradient", "a gradient written", "all-reduce of a bucket (Gloo thread)"],
+              labels=["backward, until the last gradient", "a gradient written",
+                      "all-reduce of a bucket (Gloo thread)"],
               loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=9)
     ax.grid(True, axis="x", alpha=0.3)
     fig.tight_layout()
-    plt.show()
+    return fig
 
 
-def image_grid(images, labels, class_names, columns=10):
+def image_grid(images: torch.Tensor, labels: torch.Tensor, class_names: Sequence[str], columns: int = 10) -> Figure:
     """A grid of uint8 (N, 3, H, W) images with their class names."""
     rows = -(-len(images) // columns)
     fig, axes = plt.subplots(rows, columns, figsize=(1.1 * columns, 1.25 * rows), squeeze=False)
@@ -276,4 +292,4 @@ def image_grid(images, labels, class_names, columns=10):
         ax.imshow(image.permute(1, 2, 0).numpy())
         ax.set_title(class_names[int(label)], fontsize=8)
     fig.tight_layout()
-    plt.show()
+    return fig

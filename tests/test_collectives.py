@@ -63,8 +63,7 @@ def test_ping_pong_times_every_size_on_ranks_0_and_1_only():
 
 def test_show_ranks_draws_one_row_per_rank_and_a_column_per_stage():
     per_rank = [(torch.arange(4.0) + 10 * r, torch.arange(8.0) if r == 0 else None) for r in range(3)]
-    plots.show_ranks(per_rank, "test", stages=("before", "after"))
-    fig = matplotlib.pyplot.gcf()
+    fig = plots.show_ranks(per_rank, "test", stages=("before", "after"))
     assert len(fig.axes) == 6 and fig.axes[0].get_title() == "before"
     texts = [t.get_text() for t in fig.axes[3].texts]  # rank 1, "after": no tensor
     assert texts == ["—"]
@@ -73,8 +72,7 @@ def test_show_ranks_draws_one_row_per_rank_and_a_column_per_stage():
 
 def test_show_ranks_colours_by_source_rank():
     per_rank = [(torch.arange(4.0) + 10 * r, [torch.arange(4.0) + 10 * j for j in range(3)]) for r in range(3)]
-    plots.show_ranks(per_rank, "test", colour_by="source")
-    fig = matplotlib.pyplot.gcf()
+    fig = plots.show_ranks(per_rank, "test", colour_by="source")
     assert [t.get_text() for t in fig.legends[0].texts] == ["from rank 0", "from rank 1", "from rank 2"]
     # rank 1's "before" is all from rank 1: one colour, that of rank 1 in the legend
     image = fig.axes[2].images[0]
@@ -85,8 +83,7 @@ def test_show_ranks_colours_by_source_rank():
 
 def test_ring_strip_fits_a_notebook_in_two_rows():
     snapshots = [s for _, s in launch(ring_of_powers, 4)]
-    plots.ring_all_steps(snapshots)
-    fig = matplotlib.pyplot.gcf()
+    fig = plots.ring_all_steps(snapshots)
     assert fig.get_figwidth() <= 9.5  # a notebook's width at 100 dpi, about 9-10 inches
     titles = [ax.get_title() for ax in fig.axes if ax.images]
     assert titles == ["start"] + [f"reduce-scatter step {i}/3" for i in (1, 2, 3)] + \
@@ -102,6 +99,27 @@ def test_ring_pictures_show_contributors():
     assert "111" in labels
     stepper = plots.ring_stepper(snapshots)
     assert stepper.children[0].max == 4
+    matplotlib.pyplot.close("all")
+
+
+def test_plotting_functions_return_their_figure_and_show_nothing(monkeypatch):
+    """One idiom: a library function draws and returns the figure; the notebook shows it (at the cell's end,
+    or with plt.show()), once."""
+    from matplotlib.figure import Figure
+
+    from ddp_helpers import parallel_plots, pipeline_plots
+    monkeypatch.setattr(matplotlib.pyplot, "show", lambda *args, **kwargs: pytest.fail("a library function showed"))
+    per_rank = [(torch.arange(4.0) + 10 * r, torch.arange(4.0) * 3 + 30) for r in range(3)]   # after: the sum
+    snapshots = [[[torch.full((1,), 10.0 ** r)] * 3] * 5 for r in range(3)]
+    timeline = {"bucket": [{"backward_ms": 5.0, "gradients_ms": [1.0, 4.0], "all_reduces_ms": [(4.0, 6.0)]}]}
+    actions = [[("F", 0, 0, 0.0, 0.001), ("B", 0, 0, 0.002, 0.003)]]
+    figures = [plots.show_ranks(per_rank, "t"), plots.show_contributions(per_rank, "t"),
+               plots.ring_all_steps(snapshots), plots.overlap_timeline(timeline["bucket"]),
+               plots.image_grid(torch.zeros(2, 3, 4, 4, dtype=torch.uint8), torch.tensor([0, 1]), ["a", "b"]),
+               parallel_plots.show_placements([[torch.ones(1, 2) * 10 ** r] for r in range(2)], ["Shard(0)"], "t"),
+               parallel_plots.activation_bars({"one": {"x": 1024.0}}, "t"),
+               pipeline_plots.timelines({"run": actions}), pipeline_plots.ring_blocks(2)]
+    assert all(isinstance(fig, Figure) for fig in figures), figures
     matplotlib.pyplot.close("all")
 
 

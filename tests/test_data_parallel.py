@@ -85,7 +85,8 @@ def profile_backward(bucket_cap_mb, layers=8, width=512):
 
 
 def test_small_buckets_start_during_backward_and_one_bucket_only_after_it():
-    small, large = launch(profile_backward, 2, args=(1,), quiet=True)[0], launch(profile_backward, 2, args=(100,), quiet=True)[0]
+    small = launch(profile_backward, 2, args=(1,), quiet=True)[0]
+    large = launch(profile_backward, 2, args=(100,), quiet=True)[0]
     for t in (small, large):
         assert len(t["gradients_ms"]) == 16
         assert len(t["launches_ms"]) == len(t["all_reduces_ms"])
@@ -94,8 +95,9 @@ def test_small_buckets_start_during_backward_and_one_bucket_only_after_it():
     assert len(small["launches_ms"]) == 8 and len(large["launches_ms"]) == 1
     assert sum(g <= small["launches_ms"][0] for g in small["gradients_ms"]) == 2   # the last layer's two
     assert large["launches_ms"][0] > large["gradients_ms"][-1]
-    plots.overlap_timeline([dict(small, label="1 MB"), dict(large, label="100 MB")])
-    matplotlib.pyplot.close("all")
+    fig = plots.overlap_timeline([dict(small, label="1 MB"), dict(large, label="100 MB")])
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == ["1 MB\n8 all-reduce(s)", "100 MB\n1 all-reduce(s)"]
+    matplotlib.pyplot.close(fig)
 
 
 def accumulate(micro_batches=2):

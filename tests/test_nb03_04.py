@@ -22,9 +22,9 @@ NB04 = os.path.join(REPO, "notebooks", "04_gloo_vs_nccl.ipynb")
 
 @pytest.fixture
 def drawn(monkeypatch):
-    """Each figure the plots module shows, kept instead of shown."""
-    figures = []
-    monkeypatch.setattr(plt, "show", lambda: figures.append(plt.gcf()))
+    """Each figure plots.show_contributions returns, kept."""
+    figures, real = [], plots.show_contributions
+    monkeypatch.setattr(plots, "show_contributions", lambda *args, **kwargs: figures.append(real(*args, **kwargs)))
     yield figures
     plt.close("all")
 
