@@ -11,12 +11,18 @@ reached on large messages. Below S = alpha * beta the fixed cost dominates
 (latency-bound: bigger messages are almost free); above it, the bytes do
 (bandwidth-bound: time grows with size).
 """
+from __future__ import annotations
+
+from collections.abc import Sequence
+
 import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
 from matplotlib.ticker import FixedLocator, FuncFormatter, LogFormatter, NullLocator
 
 
-def human_bytes(n):
+def human_bytes(n: float) -> str:
     """1024 -> '1 KiB', 3 * 2**20 -> '3 MiB', 8 -> '8 B'."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
@@ -24,7 +30,7 @@ def human_bytes(n):
         n /= 1024
 
 
-def series_label(row, with_collective=False):
+def series_label(row: dict, with_collective: bool = False) -> str:
     """'NCCL cuda + CUDA graph: 2 ranks on NVIDIA H200': what ran, and on which hardware."""
     name = {"nccl": "NCCL", "gloo": "Gloo"}.get(row["backend"], row["backend"])
     graph = row.get("cuda_graph") in (True, "True")  # "True" when read by a CSV reader that keeps strings
@@ -33,7 +39,7 @@ def series_label(row, with_collective=False):
     return f"{start}{name} {row['device']}{extras}: {row['world_size']} ranks on {row['hardware']}"
 
 
-def series(rows):
+def series(rows: Sequence[dict]) -> dict[str, list[dict]]:
     """Rows grouped by series_label, each group sorted by message size."""
     mixed = len({r["collective"] for r in rows}) > 1
     groups = {}
@@ -43,7 +49,7 @@ def series(rows):
 
 
 # ------------------------------------------------------------- the model
-def fit_alpha_beta(rows):
+def fit_alpha_beta(rows: Sequence[dict]) -> tuple[float, float]:
     """Least-squares fit of t = alpha + S / beta to the rows; returns (alpha_us, beta_GBps).
 
     Minimises the *relative* error, so the microsecond points count as much as the
@@ -59,7 +65,7 @@ def fit_alpha_beta(rows):
     return float(alpha_us), float(beta_GBps)
 
 
-def fit_beta(rows, min_bytes=16 * 2**20):
+def fit_beta(rows: Sequence[dict], min_bytes: int = 16 * 2**20) -> tuple[float, float]:
     """beta fitted on the large messages only (S >= min_bytes), by ordinary least squares of
     t = alpha + S / beta: (alpha_us, beta_GBps). beta is a fitted parameter, the model's algbw
     for an infinitely large message: the model's algbw at size S is beta / (1 + alpha * beta / S),
@@ -73,7 +79,7 @@ def fit_beta(rows, min_bytes=16 * 2**20):
     return float(alpha_us), float(1e-3 / us_per_byte) if us_per_byte > 0 else float("inf")
 
 
-def fit_model(rows, min_bytes=16 * 2**20):
+def fit_model(rows: Sequence[dict], min_bytes: int = 16 * 2**20) -> tuple[float, float]:
     """The (alpha_us, beta_GBps) that notebook 04 prints and draws: alpha from `fit_alpha_beta` on every
     size (the fixed cost of a call, which the small messages show), beta from `fit_beta` on the
     messages of at least min_bytes (the bandwidth, which only large messages show). Pass the pair to
@@ -81,12 +87,12 @@ def fit_model(rows, min_bytes=16 * 2**20):
     return fit_alpha_beta(rows)[0], fit_beta(rows, min_bytes)[1]
 
 
-def model_time_us(nbytes, alpha_us, beta_GBps):
+def model_time_us(nbytes: float | np.ndarray, alpha_us: float, beta_GBps: float) -> np.ndarray:
     """t = alpha + S / beta, in µs."""
     return alpha_us + np.asarray(nbytes, dtype=float) / (beta_GBps * 1e3)
 
 
-def crossover_bytes(alpha_us, beta_GBps):
+def crossover_bytes(alpha_us: float, beta_GBps: float) -> float:
     """S = alpha * beta, where the fixed cost and the transfer take equally long
     (the call reaches half of beta): the border between the two regimes."""
     return alpha_us * beta_GBps * 1e3
@@ -98,7 +104,7 @@ def crossover_bytes(alpha_us, beta_GBps):
 LEGEND_FONT, LABEL_FONT, TITLE_FONT = 8.5, 9, 12
 
 
-def fit_label(alpha_us, beta_GBps):
+def fit_label(alpha_us: float, beta_GBps: float) -> str:
     """'α = 157 µs, β = 1.92 GB/s': how the legend writes a fit (print it the same way)."""
     def number(x):
         return f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.3g}"
@@ -122,7 +128,7 @@ def _size_axis(ax, sizes):
     ax.grid(True, which="major", alpha=0.3)
 
 
-def mark_regimes(ax, alpha_us, beta_GBps, color, level=0):
+def mark_regimes(ax: Axes, alpha_us: float, beta_GBps: float, color: str | tuple, level: int = 0) -> None:
     """A dotted line at S = alpha*beta, with 'latency-bound' to its left and 'bandwidth-bound' to its right
     (`keep_labels_inside` widens the axis where a label would be cut off at its edge)."""
     x = crossover_bytes(alpha_us, beta_GBps)
@@ -134,7 +140,7 @@ def mark_regimes(ax, alpha_us, beta_GBps, color, level=0):
         ax.text(x, y, text, ha=align, va="top", color=color, fontsize=LABEL_FONT, transform=transform, gid="regime")
 
 
-def keep_labels_inside(fig, tries=5):
+def keep_labels_inside(fig: Figure, tries: int = 5) -> None:
     """Widen each size axis until its regime labels fit inside it: a border near an edge would cut them."""
     for ax in fig.axes:
         labels = [t for t in ax.texts if t.get_gid() == "regime"]
@@ -166,7 +172,7 @@ def _legend_below(ax):
     ax.legend(fontsize=LEGEND_FONT, loc="upper center", bbox_to_anchor=(0.5, -0.13), frameon=False)
 
 
-def plot_time(rows, ax=None, fit=True):
+def plot_time(rows: Sequence[dict], ax: Axes | None = None, fit: bool | tuple[float, float] = True) -> Axes:
     """Time per call against message size (log-log), one line per series. fit=True: each series'
     `fit_alpha_beta`, dashed, with its regime border; fit=(alpha_us, beta_GBps): that model instead
     (e.g. from `fit_model`, so that the legend shows the numbers printed beside it); fit=False: none."""
@@ -175,7 +181,7 @@ def plot_time(rows, ax=None, fit=True):
     return _plot_against_size(rows, ax, fit, "time_us", "time per call (\u00b5s)", fitted)
 
 
-def plot_busbw(rows, ax=None, fit=True):
+def plot_busbw(rows: Sequence[dict], ax: Axes | None = None, fit: bool | tuple[float, float] = True) -> Axes:
     """Bus bandwidth against message size (log-log), one line per series; with the
     bandwidth the alpha-beta model predicts (dashed; `fit` as in plot_time) and the regime border."""
     def fitted(S, alpha, beta, group):
@@ -208,7 +214,8 @@ def _plot_against_size(rows, ax, fit, key, ylabel, fitted):
     return ax
 
 
-def plot_figure(message, rows, what="time", fit=False, caption=None, width=7.5, height=5.0):
+def plot_figure(message: str, rows: Sequence[dict], what: str = "time", fit: bool | tuple[float, float] = False,
+                caption: str | None = None, width: float = 7.5, height: float = 5.0) -> Figure:
     """One figure with one message, its title: time ("time") or bus bandwidth ("busbw") against message
     size, drawn by plot_time or plot_busbw with `fit`. caption: one small line at the bottom, e.g. where
     and when stored results were measured. 7.5 inches wide: JupyterLab shows it at full size."""
@@ -222,7 +229,7 @@ def plot_figure(message, rows, what="time", fit=False, caption=None, width=7.5, 
     return fig
 
 
-def stored_bench_caption(meta):
+def stored_bench_caption(meta: dict) -> str:
     """'stored: 2× NVIDIA H200 (NV18), torch 2.11.0+cu130, NCCL 2.28.9, 2026-11-30': where and when
     a stored benchmark table (`reference.load("bench_...")`'s metadata) was measured."""
     link = (meta.get("interconnect") or "").split(" ")[0]
@@ -231,7 +238,7 @@ def stored_bench_caption(meta):
             + f", torch {meta['torch']}{nccl}, {meta['date'][:10]}")
 
 
-def plot_sweeps(rows, title=None, fit=True):
+def plot_sweeps(rows: Sequence[dict], title: str | None = None, fit: bool | tuple[float, float] = True) -> Figure:
     """Time and busbw side by side; the title names the collective(s) and the hardware."""
     fig, (left, right) = plt.subplots(1, 2, figsize=(14, 6.5))
     plot_time(rows, left, fit)
@@ -244,7 +251,8 @@ def plot_sweeps(rows, title=None, fit=True):
     return fig
 
 
-def plot_panels(panels, title=None, width=5.2, height=4.6):
+def plot_panels(panels: Sequence[tuple[str, Sequence[dict], str, bool | tuple[float, float]]], title: str | None = None,
+                width: float = 5.2, height: float = 4.6) -> Figure:
     """Panels side by side: panels is a list of (message, rows, what, fit) with what "time" or "busbw";
     the message is the panel's title. In a notebook prefer one `plot_figure` per message: side by side,
     the panels are scaled down to the notebook's width."""
@@ -258,56 +266,3 @@ def plot_panels(panels, title=None, width=5.2, height=4.6):
     fig.tight_layout()
     keep_labels_inside(fig)
     return fig
-
-
-# ------------------------------------------------- training speed (notebook 07)
-def stored_caption(report):
-    """'stored: 2x NVIDIA H200, torch 2.11.0+cu130, NCCL 2.28.9, 2026-11-30': where and when a stored
-    benchmark report (its "machine" and "date") was measured, for titles and printed lines."""
-    m = report["machine"]
-    gpus = m.get("gpus") or []
-    hardware = f"{len(gpus)}x {gpus[0]}" if gpus else f"{m.get('cpu_cores', '?')} CPU cores, no GPU"
-    nccl = f", NCCL {m['nccl']}" if m.get("nccl") else ""
-    return f"stored: {hardware}, torch {m['torch']}{nccl}, {report['date'][:10]}"
-
-
-def scaling_bars(ax, groups, gpus=2, ylabel="images / s"):
-    """Bars of throughput on 1 GPU and on `gpus` GPUs for each (label, one_gpu, many_gpus) in groups,
-    a dashed line at `gpus` x one GPU over each pair (perfect scaling), and the scaling efficiency
-    many / (gpus x one) written on it."""
-    ticks, names = [], []
-    for i, (label, one, many) in enumerate(groups):
-        x = 3 * i
-        ax.bar([x, x + 1], [one, many], color=["tab:blue", "tab:orange"])
-        ax.hlines(gpus * one, x + 0.6, x + 1.4, colors="k", linestyles="dashed")
-        ax.text(x + 1, gpus * one, f"{many / (gpus * one):.3f}", ha="center", va="bottom")
-        ticks += [x, x + 1]
-        names += [f"{label}\n1 GPU", f"{label}\n{gpus} GPUs"]
-    ax.set_xticks(ticks, names)
-    ax.set(ylabel=ylabel, ylim=(0, 1.15 * gpus * max(one for _, one, _ in groups)))
-    return ax
-
-
-def labelled_barh(ax, labels, values, colors=None, reference=None, fmt="{:,.0f}", missing="not measured"):
-    """Horizontal bars, top to bottom in the order given, each labelled with its value and, with
-    `reference`, its ratio to it (e.g. 2 x one GPU). A value of None draws no bar, only `missing`."""
-    labels, values = labels[::-1], values[::-1]
-    colors = (colors or ["tab:gray"] * len(labels))[::-1]
-    bars = ax.barh(labels, [v or 0 for v in values], color=colors)
-    texts = [missing if v is None else fmt.format(v) + (f" ({v / reference:.3f})" if reference else "")
-             for v in values]
-    ax.bar_label(bars, texts, padding=3)
-    ax.set_xlim(0, 1.4 * max(v for v in values if v is not None))
-    return ax
-
-
-def accuracy_vs_seconds(ax, points):
-    """Time to accuracy: one point per (label, seconds, seconds_std, accuracy, accuracy_std), with
-    error bars of one standard deviation; up and to the left is better."""
-    for label, seconds, seconds_std, accuracy, accuracy_std in points:
-        ax.errorbar(seconds, 100 * accuracy, xerr=seconds_std, yerr=100 * accuracy_std, fmt="o", capsize=3,
-                    label=f"{label}: {accuracy:.2%} in {seconds:.2f} s")
-    ax.set(xlabel="seconds (training + final evaluation)", ylabel="test accuracy (%)")
-    ax.legend(fontsize=8, loc="lower right")
-    ax.grid(alpha=0.3)
-    return ax

@@ -1,4 +1,4 @@
-"""ddp_helpers.perf_lab: notebook 07's plumbing (byte counting, throughput, its pictures)."""
+"""ddp_helpers.perf_lab, notebook 07's plumbing (byte counting, throughput), and speed_plots, its pictures."""
 import matplotlib
 
 matplotlib.use("Agg")
@@ -6,7 +6,7 @@ matplotlib.use("Agg")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from ddp_helpers import launch, perf_lab  # noqa: E402
+from ddp_helpers import launch, perf_lab, speed_plots  # noqa: E402
 
 
 def _bytes_sent(hook_name):
@@ -40,12 +40,25 @@ def test_counted_throughput_counts_the_steps_after_the_warm_up():
 def test_overlap_pictures_draw_every_bucket_and_every_setting():
     runs = {"several": {"step_ms": 50.0, "ready_ms": [5.0, 10.0, 30.0], "link_ms": [(5, 20), (20, 35), (35, 48)]},
             "one": {"step_ms": 70.0, "ready_ms": [30.0], "link_ms": [(30, 68)]}}
-    fig = perf_lab.overlap_timeline(runs, "title")
+    fig = speed_plots.overlap_timeline(runs, "title")
     ax = fig.axes[0]
     orange = [p for p in ax.patches if p.get_facecolor()[:3] == matplotlib.colors.to_rgb("tab:orange")]
     assert len(orange) == 4 and [t.get_text() for t in ax.get_yticklabels()] == ["one", "several"]
-    fig = perf_lab.overlap_sweep({"a": {0.1: 10.0, 1.0: 5.0}, "b": {0.1: 12.0, 1.0: 5.0}}, "title")
+    fig = speed_plots.overlap_sweep({"a": {0.1: 10.0, 1.0: 5.0}, "b": {0.1: 12.0, 1.0: 5.0}}, "title")
     assert [line.get_label() for line in fig.axes[0].get_lines()] == ["a", "b"]
+
+
+def test_stored_caption_and_time_to_accuracy():
+    report = {"machine": {"gpus": ["NVIDIA H200"] * 2, "torch": "2.11.0+cu130", "nccl": "2.28.9"},
+              "date": "2026-11-30T12:00:00"}
+    assert speed_plots.stored_caption(report) == "stored: 2x NVIDIA H200, torch 2.11.0+cu130, NCCL 2.28.9, 2026-11-30"
+    cpu = {"machine": {"cpu_cores": 2, "torch": "2.14.1"}, "date": "2026-12-02"}
+    assert speed_plots.stored_caption(cpu) == "stored: 2 CPU cores, no GPU, torch 2.14.1, 2026-12-02"
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots()
+    assert speed_plots.accuracy_vs_seconds(ax, [("ours", 3.0, 0.1, 0.94, 0.001)]) is ax
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["ours: 94.00% in 3.00 s"]
+    plt.close(fig)
 
 
 def test_side_by_side_prints_numbers_and_words(capsys):
