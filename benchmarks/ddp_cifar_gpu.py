@@ -3,7 +3,7 @@
     python benchmarks/ddp_cifar_gpu.py --data /path/to/cifar10-jpeg    # 1 and 2 GPUs, NCCL, ~4 min
     python benchmarks/ddp_cifar_gpu.py --quick                         # CPU, Gloo, tiny: checks the script
 
-Measures, with real data kept on each GPU (ddp_helpers.data.DeviceLoader) and the training
+Measures, with real data kept on each GPU (ddp_helpers.speed.DeviceLoader) and the training
 code of ddp_helpers.train with its speed layer, ddp_helpers.speed (one process per GPU, started with
 ddp_helpers.launch):
 1. ResNet-18 training throughput at 256 images per GPU on 1 GPU (plain model: DDP would only

@@ -106,7 +106,8 @@ def test_table_has_the_all_reduce_perf_layout():
     row = {"bytes": 8, "count": 2, "dtype": "float", "redop": "sum", "root": -1,
            "time_us": 19.26, "algbw_GBps": 8 / 19.26e-6 / 1e9, "busbw_GBps": 8 / 19.26e-6 / 1e9, "wrong": 0}
     # a line of nccl-tests' output, out-of-place group
-    assert bench.format_row(row) == "           8             2     float     sum      -1    19.26    0.00    0.00       0"
+    assert bench.format_row(row) == ("           8             2     float     sum      -1"
+                                     "    19.26    0.00    0.00       0")
     assert bench.format_row(dict(row, bytes=2**30, count=2**28, time_us=3430.1234, algbw_GBps=313.04,
                                  busbw_GBps=313.04)) == \
         "  1073741824     268435456     float     sum      -1  3430.12  313.04  313.04       0"
@@ -347,7 +348,8 @@ def test_one_figure_per_message_keeps_its_labels_inside_and_names_stored_hardwar
     assert "stored: here" in [t.get_text() for t in fig.texts]
     matplotlib.pyplot.close(fig)
     _, meta = reference.load("bench_all_reduce")
-    assert plots.stored_bench_caption(meta) == "stored: 2× NVIDIA H200 (NV18), torch 2.11.0+cu130, NCCL 2.28.9, 2026-11-30"
+    assert plots.stored_bench_caption(meta) == \
+        "stored: 2× NVIDIA H200 (NV18), torch 2.11.0+cu130, NCCL 2.28.9, 2026-11-30"
 
 
 def sweep_noting_sizes(sizes):

@@ -106,7 +106,8 @@ def test_perf_lab_1gpu_quick_records_every_setting_and_each_failure(tmp_path):
                                               ("nosuch=1", "unknown setting 'nosuch'")])
 def test_a_bad_fast_setting_stops_before_anything_runs(tmp_path, setting, message):
     start = time.perf_counter()
-    done = benchmark("ddp_cifar_gpu.py", "--quick", "--out", str(tmp_path / "out"), "--fast-set", setting, timeout=seconds(60))
+    done = benchmark("ddp_cifar_gpu.py", "--quick", "--out", str(tmp_path / "out"), "--fast-set", setting,
+                     timeout=seconds(60))
     assert time.perf_counter() - start < seconds(20)  # importing torch, nothing more
     assert done.returncode == 2 and done.stdout == ""  # the script's first print comes after the checks
     errors = [line for line in done.stderr.splitlines() if "error" in line.lower()]

@@ -68,7 +68,8 @@ def test_the_measured_recipes_are_valid_settings(name):
 
 
 BAD_SPEED_SETTINGS = [
-    (dict(lrr=0.1), TypeError, r"unknown setting\(s\) \['lrr'\]; the trainer's: model, .*; the speed layer's: whiten, "),
+    (dict(lrr=0.1), TypeError,
+     r"unknown setting\(s\) \['lrr'\]; the trainer's: model, .*; the speed layer's: whiten, "),
     (dict(batch_size=0), ValueError, r"batch_size\b.* must be at least 1"),           # the trainer's checks too
     (dict(model="resnet18", whiten=True), ValueError, r"whiten, identity_init and bn_weights=False are for "
                                                       r"model='fastnet' only"),
@@ -120,7 +121,8 @@ def test_cuda_graph_without_a_gpu_is_a_clear_error_before_any_process_starts(mon
 
 def test_cuda_graph_on_a_cpu_rank_is_a_clear_error():
     # Past the settings' check (a Speedups made by hand): the rank itself refuses.
-    with pytest.raises(ValueError, match=r"cuda_graph=True needs this rank on a GPU, but it is on cpu \(gloo backend\)"):
+    with pytest.raises(ValueError,
+                       match=r"cuda_graph=True needs this rank on a GPU, but it is on cpu \(gloo backend\)"):
         train.run(speed.Speedups(cuda_graph=True), **SMALL)
     assert not dist.is_initialized()   # the group train.run made is gone
 
@@ -209,7 +211,8 @@ def test_batchnorm_shifts_get_their_own_learning_rate_and_decay():
     assert ids(plain["params"]) == ids(rest) and ids(fast["params"]) == ids(shifts)
     assert (plain["lr"], plain["weight_decay"]) == (0.3, 5e-4)
     assert fast["lr"] == pytest.approx(64 * 0.3) and fast["weight_decay"] == pytest.approx(5e-4 / 64)
-    assert fast["lr"] * fast["weight_decay"] == pytest.approx(plain["lr"] * plain["weight_decay"])  # same decay per step
+    # the same decay per step
+    assert fast["lr"] * fast["weight_decay"] == pytest.approx(plain["lr"] * plain["weight_decay"])
     (only,) = speed.param_groups(model, 0.3, 5e-4, 1)
     assert ids(only["params"]) == ids(model.parameters()) and (only["lr"], only["weight_decay"]) == (0.3, 5e-4)
     optimizer, _ = speed.Speedups(momentum=0.8, weight_decay=1e-3, norm_bias_lr=4).optimizer(
