@@ -13,6 +13,8 @@ Where the images come from, in this order:
    downloaded by rank 0 alone when it is not there yet.
 Without either, and without network, `DataNotFoundError` says how to get the data.
 """
+from __future__ import annotations
+
 import contextlib
 import functools
 import hashlib
@@ -20,6 +22,7 @@ import os
 import socket
 import threading
 import urllib.parse
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import numpy as np
@@ -46,11 +49,12 @@ class DataNotFoundError(FileNotFoundError):
     """No copy of CIFAR-10 here and no way to download one."""
 
 
-def cache_dir():
+def cache_dir() -> str:
     return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "ddp_helpers")
 
 
-def load_cifar10(train=True, root=None, per_class=None, download_root=None):
+def load_cifar10(train: bool = True, root: str | None = None, per_class: int | None = None,
+                 download_root: str | None = None) -> Split:
     """The training (or test) split as uint8 tensors on the CPU.
 
     root:      a folder with train/ and test/ class folders; default: $DDP_HELPERS_CIFAR10,
@@ -71,7 +75,7 @@ def load_cifar10(train=True, root=None, per_class=None, download_root=None):
     return split
 
 
-def where_to_read(root=None, download_root=None):
+def where_to_read(root: str | None = None, download_root: str | None = None) -> tuple[str | None, str | None, bool]:
     """(class-folder copy or None, torchvision's folder, whether to download), or DataNotFoundError."""
     folder = root or os.environ.get(ENV_VAR) or None
     need_download = False
@@ -85,7 +89,7 @@ def where_to_read(root=None, download_root=None):
     return folder, download_root, need_download
 
 
-def download_if_missing(root=None, download_root=None):
+def download_if_missing(root: str | None = None, download_root: str | None = None) -> None:
     """Download torchvision's copy now, in this process, if the ranks would have to: they live in a
     network of their own (`private_net`) with no way out. Call it before starting them."""
     folder, download_root, need_download = where_to_read(root, download_root)
@@ -94,7 +98,7 @@ def download_if_missing(root=None, download_root=None):
         torchvision.datasets.CIFAR10(download_root, train=True, download=True)   # both splits: one archive
 
 
-def unavailable_reason():
+def unavailable_reason() -> str | None:
     """Why CIFAR-10 cannot be had here (no copy, no network), or None when it can."""
     try:
         where_to_read()
@@ -104,7 +108,7 @@ def unavailable_reason():
 
 
 @contextlib.contextmanager
-def rank_zero_first():
+def rank_zero_first() -> Iterator[None]:
     """Rank 0 runs the block while the other ranks wait; then they run it too."""
     group = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     if group and dist.get_rank() != 0:
@@ -114,7 +118,7 @@ def rank_zero_first():
         barrier()
 
 
-def how_to_get_data(download_root):
+def how_to_get_data(download_root: str) -> str:
     return (
         "CIFAR-10 was not found and cannot be downloaded (no network). Either\n"
         f"  - point the environment variable {ENV_VAR} (or the `root` argument) at a folder with\n"
@@ -125,7 +129,7 @@ def how_to_get_data(download_root):
 
 
 # ------------------------------------------------------------- a class-folder copy
-def check_folder(folder):
+def check_folder(folder: str) -> None:
     for split in ("train", "test"):
         if not os.path.isdir(os.path.join(folder, split)):
             raise DataNotFoundError(
@@ -134,7 +138,7 @@ def check_folder(folder):
                 f"({', '.join(CLASSES)}).")
 
 
-def read_folder(folder, split, per_class=None):
+def read_folder(folder: str, split: str, per_class: int | None = None) -> Split:
     """Decode the PNG/JPEG files of `folder/split` once; later calls read a tensor cache."""
     import torchvision  # imported here: it takes a second, and only this path needs it
     dataset = torchvision.datasets.ImageFolder(os.path.join(folder, split))
@@ -187,12 +191,12 @@ def _save_atomically(obj, path):
 
 
 # ------------------------------------------------------------ torchvision's copy
-def torchvision_url():
+def torchvision_url() -> str:
     import torchvision
     return torchvision.datasets.CIFAR10.url
 
 
-def torchvision_copy_present(download_root):
+def torchvision_copy_present(download_root: str) -> bool:
     """Are torchvision's files there? (Their checksums are checked when they are read.)"""
     import torchvision
     cifar = torchvision.datasets.CIFAR10
@@ -200,14 +204,14 @@ def torchvision_copy_present(download_root):
     return all(os.path.isfile(os.path.join(folder, name)) for name, _ in cifar.train_list + cifar.test_list)
 
 
-def read_torchvision(download_root, train, download):
+def read_torchvision(download_root: str, train: bool, download: bool) -> Split:
     import torchvision
     dataset = torchvision.datasets.CIFAR10(download_root, train=train, download=download)
     images = torch.from_numpy(dataset.data).permute(0, 3, 1, 2).contiguous()
     return Split(images, torch.tensor(dataset.targets, dtype=torch.int64))
 
 
-def reachable(url, timeout_s=None):
+def reachable(url: str, timeout_s: float | None = None) -> bool:
     """Can we open a connection to the server of `url`? Answers within `timeout_s`, always:
     name lookup ignores socket timeouts, so the attempt runs in a thread we stop waiting for."""
     timeout_s = REACH_TIMEOUT_S if timeout_s is None else timeout_s
@@ -228,7 +232,7 @@ def reachable(url, timeout_s=None):
     return bool(answer)
 
 
-def first_per_class(split, per_class):
+def first_per_class(split: Split, per_class: int) -> Split:
     """The first `per_class` images of each class, in their original order."""
     keep = torch.tensor(list(_rank_in_class(split.labels.tolist()))) < per_class
     return Split(split.images[keep], split.labels[keep])
@@ -237,19 +241,20 @@ def first_per_class(split, per_class):
 class Images(torch.utils.data.Dataset):
     """A Split as a map-style Dataset of (transform(image), label) pairs, as torchvision's datasets give."""
 
-    def __init__(self, split, transform=None):
+    def __init__(self, split: Split, transform: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.split, self.transform = split, transform
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self.split.labels)
 
-    def __getitem__(self, i):
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         image = self.split.images[i]
         return (self.transform(image) if self.transform else image), self.split.labels[i]
 
 
 # ------------------------------------------------------- a batch: augmented, normalised
-def augment(images, pad=4, flip=True, generator=None):
+def augment(images: torch.Tensor, pad: int = 4, flip: bool | torch.Tensor = True,
+            generator: torch.Generator | None = None) -> torch.Tensor:
     """Random crop and horizontal flip of a batch of uint8 images (B, C, H, W), on their device.
 
     Each image gets its own window, shifted by up to `pad` pixels each way; where the window
@@ -280,7 +285,7 @@ def _reflect(index, size):
     return torch.where(index >= size, 2 * (size - 1) - index, index)
 
 
-def normalize(images):
+def normalize(images: torch.Tensor) -> torch.Tensor:
     """uint8 images -> float32, each channel with mean 0 and std 1 over the training set."""
     mean, std = _channel_stats(images.device)
     return (images.float() - mean) / std

@@ -33,7 +33,10 @@ DistributedDataParallel"; https://pytorch.org/docs/stable/notes/cuda.html#cuda-g
 The optimizer step stays outside the graph: a handful of foreach kernels, and the learning
 rate keeps coming from the scheduler as a Python number.
 """
+from __future__ import annotations
+
 import functools
+from collections.abc import Callable
 
 import torch
 
@@ -41,7 +44,7 @@ EAGER_STEPS = 11   # DDP's requirement before capturing its backward
 
 
 @functools.lru_cache(maxsize=None)
-def side_stream(device):
+def side_stream(device: torch.device) -> torch.cuda.Stream:
     """One side stream per GPU for the life of the process. PyTorch gives every (cuBLAS handle,
     stream) pair a workspace of its own and keeps it until the process ends
     (aten/src/ATen/cuda/CublasHandlePool.cpp), so a new stream for every run would leave
@@ -54,14 +57,15 @@ class CapturedStep:
     records it once as a CUDA graph and replays it on every later call. Returns the loss."""
     capture_error_mode = "global"   # torch.cuda.graph's: what other threads may do during capture
 
-    def __init__(self, forward_backward, side_stream, eager_steps=EAGER_STEPS):
+    def __init__(self, forward_backward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 side_stream: torch.cuda.Stream, eager_steps: int = EAGER_STEPS) -> None:
         self.forward_backward = forward_backward
         self.side_stream = side_stream
         self.eager_steps = eager_steps
         self.calls = 0
         self.graph = None
 
-    def __call__(self, images, labels):
+    def __call__(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         if self.calls <= self.eager_steps:
             return self.eager(images, labels)
@@ -73,7 +77,7 @@ class CapturedStep:
         self.graph.replay()
         return self.static_loss.clone()   # the next replay overwrites static_loss
 
-    def eager(self, images, labels):
+    def eager(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         current = torch.cuda.current_stream()
         self.side_stream.wait_stream(current)      # the batch was made on the current stream
         with torch.cuda.stream(self.side_stream):
@@ -81,14 +85,14 @@ class CapturedStep:
         current.wait_stream(self.side_stream)      # the optimizer step comes after
         return loss
 
-    def release(self):
+    def release(self) -> None:
         """Free the graph; call it before destroy_process_group (see above)."""
         if self.graph is not None:
             torch.cuda.synchronize()
             self.graph.reset()
             self.graph = None
 
-    def capture(self, images, labels):
+    def capture(self, images: torch.Tensor, labels: torch.Tensor) -> None:
         self.static_images, self.static_labels = images.clone(), labels.clone()
         self.graph = torch.cuda.CUDAGraph()
         self.side_stream.wait_stream(torch.cuda.current_stream())
