@@ -42,22 +42,14 @@ def _check(title, fn, cases, make_input, expected, forbidden=(), hint="", algori
     ranks' p2p calls are recorded too, and algorithm(Traffic, world_size, length) returns what is
     wrong with the way the result was computed (a list of problems)."""
     wants = {case: [expected(rank, *case) for rank in range(case[0])] for case in cases}
-    problems = []
-    for world_size, length in cases:
+    check = runner.Checker(title, fn)
+    for world_size, length in check.each(cases):
         label = f"world_size={world_size}" + (f", length={length}" if length is not None else "")
         inputs = (fn, lambda r, n, k=length: make_input(r, n, k), forbidden)
-        outcome = runner.run_case(run_counting_p2p if algorithm else _run_in_rank, world_size, inputs, label,
-                                  never_finished=f"a send without its recv, or the other way round? {hint}",
-                                  on_error=hint)
-        if outcome.kind == "stub":
-            return runner.stub_verdict(title, fn)
-        if outcome.kind == "timeout":
-            problems.append(outcome.problem)
-            break  # the other cases would hang the same way: no need to wait for each
-        if not outcome.ok:
-            problems.append(outcome.problem)
+        got = check.run(run_counting_p2p if algorithm else _run_in_rank, world_size, inputs, label,
+                        never_finished=f"a send without its recv, or the other way round? {hint}", on_error=hint)
+        if got is None:
             continue
-        got = outcome.results
         if algorithm:
             traffic = Traffic([events for _, events in got])
             got = [value for value, _ in got]
@@ -66,10 +58,10 @@ def _check(title, fn, cases, make_input, expected, forbidden=(), hint="", algori
             problem = difference(wants[world_size, length][rank], value)
             if problem:
                 wrong = True
-                problems.append(f"{label}, rank {rank}: {problem}")
+                check.problems.append(f"{label}, rank {rank}: {problem}")
         if algorithm and not wrong:
-            problems += [f"{label}: {problem}" for problem in algorithm(traffic, world_size, length)]
-    return Verdict(title, problems)
+            check.problems += [f"{label}: {problem}" for problem in algorithm(traffic, world_size, length)]
+    return check.verdict()
 
 
 def _no_input(rank, world_size, length):

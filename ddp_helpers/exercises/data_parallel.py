@@ -125,28 +125,22 @@ def check_one_bucket_average(fn: Callable[[torch.nn.Module], None]) -> Verdict:
     all_reduce of one flat buffer. Checked on real ranks (2 and 3) with dist.all_reduce
     wrapped: the number of calls, the bytes each carried, and the gradients written back."""
     title = "average_gradients_one_bucket"
-    problems = []
-    for world_size in (2, 3):
+    check = runner.Checker(title, fn)
+    for world_size in check.each((2, 3)):
         label = f"world_size={world_size}"
-        outcome = runner.run_case(
+        results = check.run(
             _one_bucket_in_rank, world_size, (fn,), label, timeout=20,
             never_finished="every rank must call all_reduce the same number of times, with buffers of the same size",
             partner_left=" (its partner had left): did every rank call all_reduce the same number of times, with "
                          "buffers of the same size?")
-        if outcome.kind == "stub":
-            return runner.stub_verdict(title, fn)
-        if not outcome.ok:
-            problems.append(outcome.problem)
-            if outcome.kind == "timeout":
-                break
+        if results is None:
             continue
-        results = outcome.results
         wrong = {rank: problem for rank, result in enumerate(results)
                  if (problem := _one_bucket_problem(result, world_size))}
         if wrong and len(wrong) < world_size:
             rank, problem = next(iter(wrong.items()))
             right = [r for r in range(world_size) if r not in wrong]
-            problems.append(f"{label}: ranks disagree (rank(s) {right} right, rank {rank} not): {problem}")
+            check.problems.append(f"{label}: ranks disagree (rank(s) {right} right, rank {rank} not): {problem}")
         elif wrong:
-            problems.append(f"{label}, rank 0: {wrong[0]}")
-    return Verdict(title, problems)
+            check.problems.append(f"{label}, rank 0: {wrong[0]}")
+    return check.verdict()

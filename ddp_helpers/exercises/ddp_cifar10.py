@@ -122,21 +122,18 @@ def check_exact_accuracy(fn: Callable[[torch.Tensor, int], float]) -> Verdict:
     if not callable(fn):
         return runner.not_a_function(title, fn, "exact_accuracy(correct, n_images)")
     wants = {n_images: int(_truth(n_images).sum()) / n_images for n_images, _, _ in _ACCURACY_CASES}
-    problems = []
-    for n_images, world_size, shuffle in _ACCURACY_CASES:
+    check = runner.Checker(title, who=runner.name_of(fn, "fn"), stop_after_error=True)
+    problems = check.problems
+    for n_images, world_size, shuffle in check.each(_ACCURACY_CASES):
         label = f"{n_images} test images on {world_size} ranks"
         want = wants[n_images]
-        outcome = runner.run_case(
+        runs = check.run(
             _accuracy_in_rank, world_size, (fn, n_images, shuffle), label,
             never_finished="they wait in a collective another rank never calls: every rank must make the "
                            "same calls (is a collective inside `if dist.get_rank() == 0`?)",
             partner_left=": its partner had left. Does every rank call the same collectives?")
-        if outcome.kind == "stub":
-            return runner.stub_verdict(title, fn, runner.name_of(fn, "fn"))
-        if not outcome.ok:
-            problems.append(outcome.problem)
-            break   # one case says what is wrong; the others would say it again
-        runs = outcome.results
+        if runs is None:
+            continue   # (the walk stops: one case says what is wrong, the others would say it again)
         sequences = [[name for name, _, _ in calls] for _, calls in runs]
         odd = next((r for r, seq in enumerate(sequences) if seq != sequences[0]), None)
         if odd is not None:
@@ -159,7 +156,7 @@ def check_exact_accuracy(fn: Callable[[torch.Tensor, int], float]) -> Verdict:
             problems.insert(0, calls_problem)
         if problems:
             break   # one case says what is wrong; the others would say it again
-    return Verdict(title, problems)
+    return check.verdict()
 
 
 _STEP_CASES = [(10_000, 128, 1), (10_000, 128, 2), (998, 111, 3), (50_000, 256, 8), (1_000, 64, 7),

@@ -34,25 +34,20 @@ def check_mean_loss(fn: Callable[[float], float]) -> Verdict:
     collectives in the same order (the bug of the exercise: a collective inside `if rank == 0`)."""
     title = "mean_loss"
     wants = {world_size: sum(1.0 + r for r in range(world_size)) / world_size for world_size in (2, 3)}
-    problems = []
-    for world_size in (2, 3):
+    check = runner.Checker(title, fn)
+    problems = check.problems
+    for world_size in check.each((2, 3)):
         label = f"world_size={world_size}"
         want = wants[world_size]
-        outcome = runner.run_case(
+        results = check.run(
             _mean_loss_in_rank, world_size, (fn,), label,
             never_finished="they wait in a collective that another rank never calls. Is a collective inside "
                            "`if dist.get_rank() == 0`? Every rank must call every collective; only the print "
                            "belongs in the if",
             partner_left=": its partner had left without joining the collective. Is a collective inside "
                          "`if dist.get_rank() == 0`? Every rank must call every collective")
-        if outcome.kind == "stub":
-            return runner.stub_verdict(title, fn)
-        if not outcome.ok:
-            problems.append(outcome.problem)
-            if outcome.kind == "timeout":
-                break
+        if results is None:
             continue
-        results = outcome.results
         sequences = [calls for _, calls, _ in results]
         if any(seq != sequences[0] for seq in sequences):
             rank = next(r for r, seq in enumerate(sequences) if seq != sequences[0])
@@ -70,5 +65,5 @@ def check_mean_loss(fn: Callable[[float], float]) -> Verdict:
         printers = [rank for rank, (_, _, out) in enumerate(results) if out.strip()]
         if printers != [0]:
             problems.append(f"{label}: rank(s) {printers or 'none'} printed; only rank 0 should print the mean")
-    return Verdict(title, problems)
+    return check.verdict()
 

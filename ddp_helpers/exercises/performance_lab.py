@@ -123,32 +123,28 @@ def check_fp16_compress_hook(hook: Callable) -> Verdict:
     # float16's range, their sum beyond it (scaled before any of the learner's code runs)
     largest_own, largest_sum = _largest_gradients(2)
     assert largest_sum * 0.95 / largest_own > 1.1, "the checker's data no longer overflows float16"
-    problems = []
-    for world_size, scale, overflow_case in ((2, 1.0, False), (3, 1.0, False),
-                                             (2, 0.95 * _FP16_MAX / largest_own, True)):
+    check = runner.Checker(title, who=title)
+    problems = check.problems
+    for world_size, scale, overflow_case in check.each(((2, 1.0, False), (3, 1.0, False),
+                                                        (2, 0.95 * _FP16_MAX / largest_own, True))):
         label = f"world_size={world_size}" + (", gradients near float16's limit" if overflow_case else "")
-        outcome = runner.run_case(
+        results = check.run(
             _compress_hook_in_rank, world_size, (hook, scale), label, timeout=30,
             never_finished="every rank's hook must all-reduce each bucket once")
-        if outcome.kind == "stub":
-            return runner.stub_verdict(title, who=title)
-        if not outcome.ok:
-            problems.append(outcome.problem)
-            if outcome.kind == "timeout":
-                break
+        if results is None:
             continue
-        results = outcome.results
         errors = [r["error"] for r in results if r["error"]]
         if errors:
             if "NotImplementedError" in errors[0]:
-                return runner.stub_verdict(title, who=title)
+                check.still_a_stub()
+                break
             problems.append(f"{label}: backward() failed in your hook: {errors[0].splitlines()[0][:300]}")
             continue
         wrong = {rank: p for rank, r in enumerate(results) if (p := _compress_problem(r, world_size, overflow_case))}
         if wrong:
             rank, problem = next(iter(wrong.items()))
             problems.append(f"{label}, rank {rank}: {problem}")
-    return Verdict(title, problems)
+    return check.verdict()
 
 
 def _largest_gradients(world_size):

@@ -232,24 +232,17 @@ def check_one_f_one_b(fn: Callable[[Callable, Callable, int, int, int], None]) -
     i = 0..m-1, in 1F1B order. Checked on 2, 3 and 4 real ranks (see the module's docstring)."""
     title = "my_1f1b"
     references = {case: _reference(*case) for case in _CASES}   # before any of the learner's code runs
-    problems = []
-    for p, m in _CASES:
+    check = runner.Checker(title, fn)
+    for p, m in check.each(_CASES):
         label = f"p={p} stages, m={m} micro-batches"
         grads_ref, units = references[p, m]
         forbidden = ("all_reduce", "all_gather", "broadcast", "reduce_scatter", "barrier")
-        outcome = runner.run_case(
+        got = check.run(
             run_counting_p2p, p, (_pipeline_in_rank, lambda r, n: (fn, p, m), forbidden), label,
             never_finished="a backward(i) waits for the next stage's backward(i), which needs forward(i) to "
                            "have gone through every stage first")
-        if outcome.kind == "stub":
-            return runner.stub_verdict(title, fn)
-        if outcome.kind == "timeout":
-            problems.append(outcome.problem)
-            break
-        if not outcome.ok:
-            problems.append(outcome.problem)
+        if got is None:
             continue
-        got = outcome.results
         results = [value for value, _ in got]
         traffic = Traffic([events for _, events in got])
         orders = [order for _, order, _ in results]
@@ -290,6 +283,6 @@ def check_one_f_one_b(fn: Callable[[Callable, Callable, int, int, int], None]) -
                            f"{float(want):.0%}. Let stage r run p - r - 1 forwards before its first "
                            f"backward, so the pipeline fills")
         if problem:
-            problems.append(f"{label}: {problem}")
+            check.problems.append(f"{label}: {problem}")
             break   # the other cases would say the same
-    return Verdict(title, problems)
+    return check.verdict()

@@ -8,7 +8,7 @@ cannot be sent to a rank. Every checker's cases go through it.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from ..launcher import WorkerError, WorkerTimeout, launch
@@ -56,6 +56,51 @@ def run_case(in_rank: Callable, world_size: int, args: tuple, label: str, *, tim
         return Outcome(problem=f"could not run it on the ranks: {type(err).__name__}: {str(err)[:300]}",
                        kind="unsendable", error=err)
     return Outcome(results=results)
+
+
+class Checker:
+    """One checker's walk through its cases: `for case in check.each(cases)`, `results =
+    check.run(...)` (None when the case went wrong: its problem is noted), then `check.verdict()`.
+    The walk stops after a hang (the other cases would hang the same way), after any failed case
+    with `stop_after_error`, or when the learner's function is still the stub (the verdict says so)."""
+
+    def __init__(self, title: str, fn=None, who: str | None = None, stub: str | None = None,
+                 stop_after_error: bool = False):
+        self.title, self.problems, self.notes = title, [], []
+        self._stub_message = stub or f"{who or name_of(fn)} still raises NotImplementedError: fill in the stub"
+        self._stub = self._stopped = False
+        self._stop_after_error = stop_after_error
+
+    def each(self, cases: Iterable) -> Iterator:
+        for case in cases:
+            if self._stub or self._stopped:
+                return
+            yield case
+
+    def stop(self) -> None:
+        """No more cases (one case said what is wrong; the others would say it again)."""
+        self._stopped = True
+
+    def run(self, in_rank: Callable, world_size: int, args: tuple, label: str, **how) -> list | None:
+        """run_case(in_rank, world_size, args, label, **how): the results by rank, or None."""
+        outcome = run_case(in_rank, world_size, args, label, **how)
+        if outcome.kind == "stub":
+            self._stub = True
+            return None
+        if not outcome.ok:
+            self.problems.append(outcome.problem)
+            self._stopped = outcome.kind == "timeout" or self._stop_after_error
+            return None
+        return outcome.results
+
+    def still_a_stub(self) -> None:
+        """The learner's function raised NotImplementedError inside the checker's own code."""
+        self._stub = True
+
+    def verdict(self) -> Verdict:
+        if self._stub:
+            return Verdict(self.title, [self._stub_message])
+        return Verdict(self.title, self.problems, self.notes)
 
 
 def name_of(fn, default: str = "the function") -> str:

@@ -112,23 +112,18 @@ def check_shard_and_reassemble(shard_fn: Callable[[torch.Tensor, int, int], torc
     for world_size, shape in _SHARD_CASES:   # before any of the learner's code runs
         full = full_tensor(shape)
         wants[world_size, shape] = full, [expected_shard(full, rank, world_size) for rank in range(world_size)]
-    problems = []
-    for world_size, shape in _SHARD_CASES:
+    check = runner.Checker(title, stub="still raises NotImplementedError: fill in the stubs")
+    for world_size, shape in check.each(_SHARD_CASES):
         label = f"world_size={world_size}, shape {shape}"
-        outcome = runner.run_case(
+        results = check.run(
             _shard_case_in_rank, world_size, (shard_fn, reassemble_fn, shape), label, timeout=20,
             never_finished="every rank must make the same collective calls, with shards of the same size")
-        if outcome.kind == "stub":
-            return Verdict(title, ["still raises NotImplementedError: fill in the stubs"])
-        if not outcome.ok:
-            problems.append(outcome.problem)
-            if outcome.kind == "timeout":
-                break
+        if results is None:
             continue
         full, shards = wants[world_size, shape]
-        for rank, result in enumerate(outcome.results):
+        for rank, result in enumerate(results):
             problem = _shard_problems(result, rank, world_size, full, shards[rank])
             if problem:
-                problems.append(f"{label}, rank {rank}: {problem}")
+                check.problems.append(f"{label}, rank {rank}: {problem}")
                 break
-    return Verdict(title, problems)
+    return check.verdict()

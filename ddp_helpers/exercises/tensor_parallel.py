@@ -120,28 +120,23 @@ def check_row_parallel(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, b
     2 and 4 ranks for both: the values, and the collectives each rank made with their bytes."""
     title = "my_row_parallel"
     wants = {shape: _expected(shape) for shape in ROW_PARALLEL_CASES}
-    problems = []
-    for shape in ROW_PARALLEL_CASES:
+    check = runner.Checker(title, fn)
+    for shape in check.each(ROW_PARALLEL_CASES):
         world_size = shape[0]
-        outcome = runner.run_case(
+        results = check.run(
             _row_parallel_in_rank, world_size, (fn, shape[1:]), f"world_size={world_size}",
             timeout=2 * runner.HANG_TIMEOUT_S,
             never_finished="they wait in a collective another rank never joined: every rank must make the "
                            "same collective calls, with tensors of the same size",
             partner_left=": another rank left without joining the collective")
-        if outcome.kind == "stub":
-            return runner.stub_verdict(title, fn)
-        if not outcome.ok:
-            problems.append(outcome.problem)
-            if outcome.kind == "timeout":
-                break
+        if results is None:
             continue
         for sequence_parallel in (False, True):
-            for rank, result in enumerate(outcome.results):
+            for rank, result in enumerate(results):
                 problem = _row_parallel_problem(result[sequence_parallel], rank, world_size, shape,
                                                 sequence_parallel, wants[shape])
                 if problem:
-                    problems.append(f"world_size={world_size}, sequence_parallel={sequence_parallel}, "
+                    check.problems.append(f"world_size={world_size}, sequence_parallel={sequence_parallel}, "
                                     f"rank {rank}: {problem}")
                     break
-    return Verdict(title, problems)
+    return check.verdict()

@@ -176,23 +176,18 @@ def check_all_reduce_timing(fn: Callable[[int, int, int], float], predicted_us: 
             and isinstance(warmup, int) and warmup >= 1):
         raise ValueError(f"need nbytes >= 4, iters >= 1 and warmup >= 1 (whole numbers), "
                          f"got {nbytes!r}, {iters!r}, {warmup!r}")
-    problems, notes, measured_us = [], [], None
-    for world_size in (2, 3):
+    check, measured_us = runner.Checker(title, fn), None
+    problems, notes = check.problems, check.notes
+    for world_size in check.each((2, 3)):
         label = f"world_size={world_size}"
-        outcome = runner.run_case(
+        runs = check.run(
             _timing_in_rank, world_size, (fn, nbytes, iters, warmup), label, timeout=30,
             never_finished="they wait in a collective another rank never calls. Every rank must make the "
                            "same calls: the warm-up, the barrier, the timed all_reduces and the all_reduce "
                            "of the time",
             partner_left=": its partner had left. Does every rank make the same calls, the same number of times?")
-        if outcome.kind == "stub":
-            return runner.stub_verdict(title, fn)
-        if not outcome.ok:
-            problems.append(outcome.problem)
-            if outcome.kind == "timeout":
-                break
+        if runs is None:
             continue
-        runs = outcome.results
         checked = []
         for rank, (result, events) in enumerate(runs):
             problem, per_call = _timing_order_problem(events, nbytes, iters, warmup)
@@ -227,5 +222,5 @@ def check_all_reduce_timing(fn: Callable[[int, int, int], float], predicted_us: 
                     "the machine may be busier now than during the sweep: run both again)")
             problems.append(f"your prediction is {ratio:.2f}× the measurement, more than {tolerance:g}× off: "
                             f"{hint}")
-    return Verdict(title, problems, notes)
+    return check.verdict()
 

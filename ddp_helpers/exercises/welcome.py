@@ -55,24 +55,19 @@ def check_slowest_rank(fn: Callable[[torch.Tensor], tuple[float, int]]) -> Verdi
     the collectives each rank called."""
     title = "slowest_rank"
     wants = {seconds: _expected(seconds) for seconds in SLOWEST_RANK_CASES}
-    problems = []
-    for seconds_per_rank in SLOWEST_RANK_CASES:
+    check = runner.Checker(title, fn)
+    problems = check.problems
+    for seconds_per_rank in check.each(SLOWEST_RANK_CASES):
         world_size = len(seconds_per_rank)
         label = f"world_size={world_size}, seconds={list(seconds_per_rank)}"
-        outcome = runner.run_case(
+        results = check.run(
             _slowest_in_rank, world_size, (fn, seconds_per_rank), label,
             never_finished="they wait in a collective that another rank never calls. Is a collective "
                            "inside an `if`? Every rank must call every collective, in the same order",
             partner_left=": its partner had left without joining the collective. Is a collective inside "
                          "an `if`? Every rank must call every collective")
-        if outcome.kind == "stub":
-            return runner.stub_verdict(title, fn)
-        if not outcome.ok:
-            problems.append(outcome.problem)
-            if outcome.kind == "timeout":
-                break
+        if results is None:
             continue
-        results = outcome.results
         calls = [names for _, names in results]
         others = sorted({name for names in calls for name in names if name != "all_reduce"})
         if others:
@@ -109,4 +104,4 @@ def check_slowest_rank(fn: Callable[[torch.Tensor], tuple[float, int]]) -> Verdi
                 problems.append(f"{label}, rank {rank}: the time is right, but the slowest rank is "
                                 f"{want_rank}, not {got_rank}{why}")
                 break
-    return Verdict(title, problems)
+    return check.verdict()
