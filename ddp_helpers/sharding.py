@@ -14,11 +14,18 @@ Bytes are counted as PyTorch holds them: the whole storage behind each tensor
 (so padding that a shard is a view into counts), each storage once, and for a
 DTensor the local shard's storage.
 """
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 import torch
 
 from .collectives import renamed
 from .exercises.sharding import check_shard_and_reassemble
 from .exercises.spies import DispatchSpy, c10d_collective
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 __all__ = ["storage_bytes", "rank_memory", "CATEGORIES", "format_table", "plot_memory_table", "plot_zero_stages",
            "FsdpTrace", "format_gather_order", "all_gather_single", "check_shard_and_reassemble"]
@@ -31,7 +38,7 @@ def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def storage_bytes(tensors, seen=None):
+def storage_bytes(tensors, seen: set | None = None) -> int:
     """Bytes of the distinct storages behind `tensors` (DTensors: their local shard).
 
     A view counts its whole storage (padding included), and two views of one
@@ -53,7 +60,7 @@ def storage_bytes(tensors, seen=None):
     return total
 
 
-def rank_memory(model, optimizer, extra_grads=()):
+def rank_memory(model: torch.nn.Module, optimizer: torch.optim.Optimizer, extra_grads=()) -> dict[str, int]:
     """What this rank holds, in bytes: {"parameters", "gradients", "optimizer state", "buffers"}.
 
     Parameters are the model's and the optimizer's (a view into a storage already
@@ -86,7 +93,7 @@ def _rank_groups(held):
     return [(f"rank {a}" if a == b else f"ranks {a}-{b}", h) for a, b, h in groups]
 
 
-def format_table(rows):
+def format_table(rows: list[dict]) -> str:
     """rows: [{"scheme", "N", "theory": {category: bytes}, "held": [per rank {category: bytes}]}]
     -> a text table, theory then the measured bytes per category; consecutive ranks that hold the
     same bytes share one line ("ranks 0-2")."""
@@ -105,7 +112,8 @@ def format_table(rows):
 _COLOURS = {"parameters": "#4C72B0", "gradients": "#DD8452", "optimizer state": "#55A868", "buffers": "#8172B3"}
 
 
-def plot_memory_table(rows, title="Bytes per rank: computed (hatched) and what rank 0 holds (solid)"):
+def plot_memory_table(rows: list[dict],
+                      title: str = "Bytes per rank: computed (hatched) and what rank 0 holds (solid)") -> Figure:
     """Stacked bars per scheme and N: the computed bytes beside what rank 0 measured."""
     import matplotlib.pyplot as plt   # here, not at the top: ranks import this module and never plot
     from matplotlib.patches import Patch
@@ -136,7 +144,7 @@ def plot_memory_table(rows, title="Bytes per rank: computed (hatched) and what r
     return fig
 
 
-def plot_zero_stages(world_size=4):
+def plot_zero_stages(world_size: int = 4) -> Figure:
     """The ZeRO paper's picture: what each of `world_size` ranks keeps of the parameters,
     gradients and optimizer state under DDP, ZeRO-1, ZeRO-2 and ZeRO-3 (FSDP)."""
     import matplotlib.pyplot as plt
@@ -239,7 +247,7 @@ class FsdpTrace(DispatchSpy):
         return total
 
 
-def format_gather_order(orders):
+def format_gather_order(orders: dict[str, list]) -> str:
     """{setting: FsdpTrace.by_hook()} -> lines: per pass, each hook and what it all-gathered."""
     lines = []
     for hook, title in (("pre_forward", "forward"), ("pre_backward", "backward")):

@@ -230,3 +230,25 @@ def test_format_gather_order_fits_the_notebook():
     text = sharding.format_gather_order({"default": hooks, "prefetch": hooks})
     assert "  default   layers.0: layers.0, layers.1 | head: -" in text, text
     assert "  prefetch  head: head" in text and text.splitlines()[0].startswith("forward"), text
+
+
+def test_the_plots_return_their_figure():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    row = {"scheme": "DDP", "N": 2, "theory": dict.fromkeys(sharding.CATEGORIES, 4),
+           "held": [dict.fromkeys(sharding.CATEGORIES, 4)] * 2}
+    assert len(sharding.plot_zero_stages(4).axes) == 4
+    assert len(sharding.plot_memory_table([row]).axes) == 1
+    plt.close("all")
+
+
+def test_the_checkers_shard_and_the_solutions_agree_on_every_case():
+    """Computed two ways (torch.chunk and padding; slicing a zero tensor): the checker does not use the solution."""
+    cases = [(2, (6, 3)), (2, (5, 2)), (3, (7,)), (4, (10, 3)), (4, (3, 5)), (4, (1, 2)), (3, (2, 2, 2))]
+    for world_size, shape in cases:
+        full = full_tensor(shape)
+        for rank in range(world_size):
+            want = expected_shard(full, rank, world_size)
+            assert torch.equal(want, solutions.solution_shard(full, rank, world_size)), (world_size, shape, rank)
+            assert want.shape[0] == -(-shape[0] // world_size)

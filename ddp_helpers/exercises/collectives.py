@@ -30,7 +30,7 @@ def _run_in_rank(fn, make_input, forbidden):
         return fn(*make_input(dist.get_rank(), dist.get_world_size()))
 
 
-def run_counting_p2p(fn, make_input, forbidden):
+def run_counting_p2p(fn: Callable, make_input: Callable, forbidden: tuple[str, ...]) -> tuple:
     """Inside a rank: like _run_in_rank, with the p2p calls recorded. Returns (result, events)."""
     with recording_p2p() as events:
         return _run_in_rank(fn, make_input, forbidden), events

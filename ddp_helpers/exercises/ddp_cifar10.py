@@ -30,7 +30,7 @@ def _truth(n_images):
     return torch.rand(n_images, generator=torch.Generator().manual_seed(n_images)) < 0.6
 
 
-def sampler_share(n_images, world_size, rank, shuffle=True, seed=0):
+def sampler_share(n_images: int, world_size: int, rank: int, shuffle: bool = True, seed: int = 0) -> list[int]:
     """The test-set indices `DistributedSampler` gives `rank` (its default drop_last=False: padded)."""
     from torch.utils.data import DistributedSampler
     return list(DistributedSampler(range(n_images), num_replicas=world_size, rank=rank, shuffle=shuffle,
