@@ -252,3 +252,27 @@ def test_the_checkers_shard_and_the_solutions_agree_on_every_case():
             want = expected_shard(full, rank, world_size)
             assert torch.equal(want, solutions.solution_shard(full, rank, world_size)), (world_size, shape, rank)
             assert want.shape[0] == -(-shape[0] // world_size)
+
+
+# ---- the checker's shard is taken before the learner's code runs (issue 32): a my_shard that patches
+# torch for good (new_zeros gives the whole tensor, item assignment does nothing) would otherwise turn
+# the shard the checker hands my_reassemble into the whole tensor, and a my_reassemble that returns its
+# input (one all-gather of the right size for show) would pass.
+def shard_then_patch_torch(full, rank, world_size):
+    shard = solutions.solution_shard(full, rank, world_size)
+    torch.Tensor.new_zeros = lambda self, *args, **kwargs: self.clone()   # not restored
+    torch.Tensor.__setitem__ = lambda self, index, value: None
+    return shard
+
+
+def reassemble_returns_its_input(shard, rows):
+    n = dist.get_world_size()
+    padded = torch.zeros((-(-rows // n),) + tuple(shard.shape[1:]))
+    all_gather_single(torch.empty((n * padded.shape[0],) + tuple(shard.shape[1:])), padded)
+    return shard[:rows]
+
+
+def test_a_learner_patch_of_torch_cannot_change_the_shard_the_checker_hands_on():
+    verdict = sharding.check_shard_and_reassemble(shard_then_patch_torch, reassemble_returns_its_input)
+    assert not verdict and ("world_size=2, shape (6, 3), rank 0: my_reassemble: expected shape (6, 3), got (3, 3)"
+                            in repr(verdict)), repr(verdict)
