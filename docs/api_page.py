@@ -72,7 +72,10 @@ def docstring_to_markdown(doc):
 
 def _signature(obj, name):
     try:
-        sig = str(inspect.signature(obj))
+        try:   # hints written as strings (`from __future__ import annotations`) shown as types
+            sig = str(inspect.signature(obj, eval_str=True))
+        except NameError:
+            sig = str(inspect.signature(obj))
     except (TypeError, ValueError):
         sig = "(...)"
     if sig.startswith("(self, "):
