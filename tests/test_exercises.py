@@ -164,10 +164,12 @@ def test_torchrun_command_checker():
         "torchrun --nnodes=2 --node-rank=0 --nproc-per-node=8 --rdzv-backend=c10d --rdzv-endpoint=node01:29500 "
         "--max-restarts=3 -m ddp_helpers.train --checkpoint ckpt/epoch-{epoch}.pt --resume auto")
     assert not per_job and len(per_job.problems) == 2
-    assert "--nproc-per-node should be 4 (one process per GPU), got 8: it counts the processes on each node" in repr(per_job)
+    assert ("--nproc-per-node should be 4 (one process per GPU), got 8: it counts the processes on each node"
+            in repr(per_job))
     assert "leave out --node-rank: with c10d torchrun ignores it" in repr(per_job)
     standalone = exercises.check_torchrun_command("torchrun --standalone --nproc-per-node=4 -m ddp_helpers.train")
-    assert "--standalone is for one node only" in repr(standalone) and "--rdzv-backend should be c10d" in repr(standalone)
+    assert "--standalone is for one node only" in repr(standalone)
+    assert "--rdzv-backend should be c10d" in repr(standalone)
     misplaced = exercises.check_torchrun_command(
         "torchrun --nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint=node01:29500 --max-restarts=3 "
         "--resume auto -m ddp_helpers.train --checkpoint ckpt/epoch-{epoch}.pt")
@@ -365,7 +367,8 @@ def reduce_then_broadcast(model):  # right mean, but two collectives per gradien
 def test_one_bucket_average_rejects_other_collectives_although_the_result_is_right():
     verdict = exercises.check_one_bucket_average(reduce_then_broadcast)
     assert not verdict and verdict.problems[0].startswith(
-        "world_size=2, rank 0: you called dist.reduce, dist.broadcast (8 call(s)) besides 0 all_reduce(s)"), repr(verdict)
+        "world_size=2, rank 0: you called dist.reduce, dist.broadcast (8 call(s)) besides 0 all_reduce(s)"), \
+        repr(verdict)
 
 
 def test_steps_per_epoch_checker_rejects_rounding_and_floats():
