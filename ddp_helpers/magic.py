@@ -42,7 +42,7 @@ lines. Figures and `display` work in `launch`'s ranks too.
     %%ddp --tabs                # each rank's printed output on a tab of its own (ipywidgets)
     print(f"rank {rank} has {len(shard)} samples")
 
-A rank has no stdin: `input()` raises `rank_io.NoStdin` (an EOFError) at once. Read the value in
+A rank has no stdin: `input()` raises `runtime.rank_io.NoStdin` (an EOFError) at once. Read the value in
 the notebook first (the cell takes the notebook variables it uses), or `%ddp push` it.
 
 A mistake in the options or commands (`-n 0`, an unknown backend or command, a name

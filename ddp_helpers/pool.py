@@ -66,7 +66,7 @@ class Pool:
         rank's value of the last expression (None when the cell ends in a statement everywhere).
 
         On some ranks only, a collective (or a send/recv) that needs another rank raises
-        `rank_io.CollectiveOutsideRanks` in the rank that calls it, before it starts: those ranks
+        `runtime.rank_io.CollectiveOutsideRanks` in the rank that calls it, before it starts: those ranks
         would never join. The pool stays as it was."""
         ranks = self.check_ranks(ranks)
         sent = globals_to_send(source, user_ns or {})
