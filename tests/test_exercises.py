@@ -566,3 +566,15 @@ def test_a_learner_patch_of_torch_cannot_change_the_expected_values(monkeypatch)
     assert torch.arange is _arange_of_zeros              # the learner's patch did happen
     assert not verdict and "world_size=2, length=5, rank 0: element 1: expected 102, got 100" in repr(verdict), \
         repr(verdict)
+
+
+def test_a_function_that_cannot_be_sent_to_the_ranks_is_named_once():
+    import threading
+    lock = threading.Lock()
+
+    def holds_a_lock(t):   # a lock cannot be pickled: the function cannot travel to the ranks
+        with lock:
+            return t
+    verdict = exercises.check_ring_all_reduce(holds_a_lock)
+    assert not verdict and len(verdict.problems) == 1, repr(verdict)
+    assert "could not run it on the ranks" in repr(verdict) and "cannot pickle '_thread.lock'" in repr(verdict)

@@ -61,7 +61,8 @@ def run_case(in_rank: Callable, world_size: int, args: tuple, label: str, *, tim
 class Checker:
     """One checker's walk through its cases: `for case in check.each(cases)`, `results =
     check.run(...)` (None when the case went wrong: its problem is noted), then `check.verdict()`.
-    The walk stops after a hang (the other cases would hang the same way), after any failed case
+    The walk stops after a hang (the other cases would hang the same way), after a function that cannot
+    be sent to the ranks (nor could it for the next case), after any failed case
     with `stop_after_error`, or when the learner's function is still the stub (the verdict says so)."""
 
     def __init__(self, title: str, fn=None, who: str | None = None, stub: str | None = None,
@@ -89,7 +90,7 @@ class Checker:
             return None
         if not outcome.ok:
             self.problems.append(outcome.problem)
-            self._stopped = outcome.kind == "timeout" or self._stop_after_error
+            self._stopped = outcome.kind in ("timeout", "unsendable") or self._stop_after_error
             return None
         return outcome.results
 
