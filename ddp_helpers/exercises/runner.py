@@ -53,7 +53,7 @@ def run_case(in_rank: Callable, world_size: int, args: tuple, label: str, *, tim
         return Outcome(problem=f"{label}: {line}{hint}" + (f" {on_error}" if on_error else ""), kind="error",
                        error=err)
     except Exception as err:   # the function could not be sent to a rank (pickling)
-        return Outcome(problem=f"could not run it on the ranks: {type(err).__name__}: {str(err)[:300]}",
+        return Outcome(problem=f"could not run it on the ranks: {str(err)[:300] or type(err).__name__}",
                        kind="unsendable", error=err)
     return Outcome(results=results)
 
