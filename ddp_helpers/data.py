@@ -91,7 +91,7 @@ def where_to_read(root: str | None = None, download_root: str | None = None) -> 
 
 def download_if_missing(root: str | None = None, download_root: str | None = None) -> None:
     """Download torchvision's copy now, in this process, if the ranks would have to: they live in a
-    network of their own (`private_net`) with no way out. Call it before starting them."""
+    network of their own (`runtime.private_net`) with no way out. Call it before starting them."""
     folder, download_root, need_download = where_to_read(root, download_root)
     if need_download:
         import torchvision

@@ -219,7 +219,7 @@ class _RankShims:
 
 
 def install_in_rank(marker_path=None):
-    """Called by every rank as it starts (worker.setup_worker_process): see the module docstring."""
+    """Called by every rank as it starts (runtime.worker.setup_worker_process): see the module docstring."""
     if not enabled():
         return
     _RankShims.launch_addr = os.environ.get("MASTER_ADDR")
