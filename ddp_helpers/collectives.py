@@ -8,7 +8,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .compat import RENAMED, barrier, renamed  # noqa: F401 (notebooks and bench use them from here)
+from .compat import renamed
 
 
 def _support_probes(n, rank, device):

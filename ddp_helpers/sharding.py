@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .collectives import renamed
+from .compat import renamed
 from .exercises.sharding import check_shard_and_reassemble
 from .exercises.spies import DispatchSpy, c10d_collective
 

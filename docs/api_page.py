@@ -29,6 +29,8 @@ SECTIONS = [
     ("The reference trainer", "ddp_helpers.train", True,
      ["run", "Config", "make_config", "setup", "Plain", "Trainer"]),
     ("The live training view", "ddp_helpers.live", True, ["train"]),
+    ("Checking the exercises", "ddp_helpers.exercises", True,
+     ["Verdict", "check_ring_all_reduce", "check_one_bucket_average", "check_shard_and_reassemble"]),
     ("The tiny transformer of notebooks 09 and 10", "ddp_helpers.tiny_transformer", True,
      ["Config", "TinyTransformer", "batch"]),
 ]

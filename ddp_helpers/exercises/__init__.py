@@ -8,14 +8,15 @@ right result reached the wrong way is named. Every checker returns a `Verdict`, 
 case passes. Reference solutions are in `ddp_helpers/solutions.py` (peek after trying).
 
 The package, one concern a module:
-  verdict    the Verdict, and the one comparison (`difference`, `close`, `near`)
-  spies      the one layer of spies: patch-and-restore of dist.*, call logs, p2p recording,
-             the dispatch-mode recorder of c10d collectives
-  runner     the one case runner (launch, hangs, errors, the stub)
-  traffic    who sent what to whom, and the longest chain of messages (rounds)
-  welcome 00 · collectives 00-03 · timing 04 · data_parallel 05 · ddp_cifar10 06 ·
-  performance_lab 07 · sharding 08 · tensor_parallel 09 · pipeline_context 10 ·
-  beyond_one_machine 11 · debugging 12: the checkers, by notebook
+
+    verdict    the Verdict, and the one comparison (`difference`, `close`, `near`)
+    spies      the one layer of spies: patch-and-restore of dist.*, call logs, p2p recording,
+               the dispatch-mode recorder of c10d collectives
+    runner     the one case runner (launch, hangs, errors, the stub)
+    traffic    who sent what to whom, and the longest chain of messages (rounds)
+    welcome 00 · collectives 00-03 · timing 04 · data_parallel 05 · ddp_cifar10 06 ·
+    performance_lab 07 · sharding 08 · tensor_parallel 09 · pipeline_context 10 ·
+    beyond_one_machine 11 · debugging 12: the checkers, by notebook
 """
 from .beyond_one_machine import check_torchrun_command
 from .collectives import (check_all_gather, check_parity_group_sum, check_rank_squares, check_ring_all_reduce,
