@@ -8,9 +8,16 @@ from .runtime import forkserver as _forkserver
 if _forkserver.start_at_import():  # first, so that it imports torch while this kernel does too
     _forkserver.start()
 
-from .launcher import WorkerError, WorkerTimeout, launch, spawn
-
 __all__ = ["launch", "spawn", "WorkerError", "WorkerTimeout", "load_ipython_extension"]
+
+
+def __getattr__(name):
+    """`from ddp_helpers import launch` imports the launcher then, not before: a module that needs no
+    launching (`python -m ddp_helpers.train` under torchrun, say) loads none of its machinery."""
+    if name in ("launch", "spawn", "WorkerError", "WorkerTimeout"):
+        from . import launcher
+        return getattr(launcher, name)
+    raise AttributeError(f"module 'ddp_helpers' has no attribute {name!r}")
 
 
 def load_ipython_extension(ipython):

@@ -55,7 +55,13 @@ def docstring_to_markdown(doc):
         indents = [len(line) - len(line.lstrip()) for line in block]
         if min(indents) >= 4:
             width = min(indents)
-            out.append("```python\n" + "\n".join(line[width:] for line in block) + "\n```")
+            code = "\n".join(line[width:] for line in block)
+            try:
+                ast.parse(code)
+                language = "python"
+            except SyntaxError:   # a table or a shell line: shown as it is
+                language = "text"
+            out.append(f"```{language}\n{code}\n```")
         elif PARAM.match(block[0]) and sum(bool(PARAM.match(line)) for line in block) >= 1 and \
                 all(PARAM.match(line) or line.startswith(" ") for line in block):
             items = []

@@ -149,9 +149,13 @@ def test_the_trainer_imports_nothing_from_the_launch_machinery():
     assert not machinery, f"train.py reaches {machinery} (all it imports: {names})"
 
 
-@pytest.mark.parametrize("name", ["ddp_helpers.speed.cuda_graph"])
-def test_a_speed_module_does_not_load_the_trainer(name):
-    code = f"import sys, {name}; print(sorted(m for m in sys.modules if m.startswith('ddp_helpers.')))"
+@pytest.mark.parametrize("name, not_loaded", [
+    ("ddp_helpers.speed.cuda_graph", ["ddp_helpers.train"]),
+    # torchrun -m ddp_helpers.train on a GPU cluster: no launcher, no IPython
+    ("ddp_helpers.train", ["ddp_helpers.launcher", "ddp_helpers.runtime.supervisor", "IPython"])])
+def test_a_module_loads_only_what_it_needs(name, not_loaded):
+    code = f"import sys, {name}; print(sorted(m for m in sys.modules if m.startswith(('ddp_helpers.', 'IPython'))))"
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert "ddp_helpers.train" not in done.stdout, done.stdout
+    loaded = eval(done.stdout)
+    assert [m for m in not_loaded if m in loaded] == [], loaded
