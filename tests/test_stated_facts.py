@@ -17,13 +17,19 @@ def torch_version():
     return tuple(int(part) for part in re.match(r"(\d+)\.(\d+)", torch.__version__).groups())
 
 
-def test_flight_recorder_is_on_by_default_with_2000_entries():
-    # Notebook 12: TORCH_FR_BUFFER_SIZE first, then TORCH_NCCL_TRACE_BUFFER_SIZE, default 2000.
+def c10d_header(name):
+    """The text of one of c10d's C++ headers in the installed torch (the test skips without them)."""
     header = os.path.join(os.path.dirname(torch.__file__), "include", "torch", "csrc", "distributed",
-                          "c10d", "FlightRecorder.hpp")
+                          "c10d", name)
     if not os.path.exists(header):
         pytest.skip("this torch ships no C++ headers")
-    text = open(header).read()
+    with open(header) as f:
+        return f.read()
+
+
+def test_flight_recorder_is_on_by_default_with_2000_entries():
+    # Notebook 12: TORCH_FR_BUFFER_SIZE first, then TORCH_NCCL_TRACE_BUFFER_SIZE, default 2000.
+    text = c10d_header("FlightRecorder.hpp")
     read = re.search(r"max_entries_ = getCvarInt\(\s*\{([^}]*)\},\s*(\d+)\)", text)
     assert read, "FlightRecorder.hpp no longer reads its buffer size the way notebook 12 says"
     names = re.findall(r'"(\w+)"', read.group(1))
@@ -101,11 +107,7 @@ def test_nccl_async_error_handling_defaults_to_3_and_the_dump_switch_is_declared
     # Notebooks 11 and 12: TORCH_NCCL_ASYNC_ERROR_HANDLING's default is 3 (SkipCleanUp), and the
     # Flight Recorder's dump is switched by TORCH_NCCL_DUMP_ON_TIMEOUT (its default, 1, is set in
     # ProcessGroupNCCL.cpp, which the wheel does not ship: notebook 12 shows it measured on an H200).
-    header = os.path.join(os.path.dirname(torch.__file__), "include", "torch", "csrc", "distributed",
-                          "c10d", "ProcessGroupNCCL.hpp")
-    if not os.path.exists(header):
-        pytest.skip("this torch ships no C++ headers")
-    text = open(header).read()
+    text = c10d_header("ProcessGroupNCCL.hpp")
     assert "default value (3 - SkipCleanUp)" in text
     assert re.search(r'TORCH_NCCL_DUMP_ON_TIMEOUT = \{\s*"TORCH_NCCL_DUMP_ON_TIMEOUT"\}', text)
 
