@@ -14,7 +14,7 @@ project = "Hands-on distributed PyTorch"
 author = "the course's authors"
 copyright = "the course's authors"
 extensions = ["myst_nb"]
-exclude_patterns = ["_build", "_files", "_vendor", "_static_gen", "_readme.md", "**.ipynb_checkpoints",
+exclude_patterns = ["_build", "_files", "_vendor", "_static_gen", "_readme.md", "_project.md", "**.ipynb_checkpoints",
                     "Thumbs.db", ".DS_Store"]
 root_doc = "index"
 
@@ -33,7 +33,7 @@ html_theme = "furo"
 html_title = "Hands-on distributed PyTorch"
 html_favicon = "favicon.svg"   # four ranks in a ring (browsers ask for one: without it, a 404 on every site)
 html_static_path = ["_static_gen", "_static"]
-html_css_files = ["course.css"]   # code boxes wrap instead of scrolling sideways (_static/course.css)
+html_css_files = ["course.css"]   # shell commands wrap, code and outputs scroll (_static/course.css)
 html_show_sourcelink = False
 html_copy_source = False
 html_last_updated_fmt = None

@@ -130,6 +130,38 @@ def copy_linked_files(text, source_dir=NOTEBOOKS, to_docs="../"):
     return LINK.sub(fix, text)
 
 
+README_SPLIT = "<!-- The site's landing page ends here"
+
+
+def heading_anchor(title):
+    """The anchor MyST (and GitHub) give a heading: lower case, punctuation dropped, spaces to dashes."""
+    text = re.sub(r"[^\w\- ]", "", title.strip().lower())
+    return text.replace(" ", "-")
+
+
+def split_readme(readme):
+    """The README's course part (the site's landing page) and the rest (the project page). Links from
+    one part to a heading of the other are pointed at the other page."""
+    at = readme.find(README_SPLIT)
+    if at < 0:
+        raise SystemExit("docs: README.md has no line starting with " + README_SPLIT)
+    course, project = readme[:at], readme[readme.index("\n", at) + 1:]
+    in_project = {heading_anchor(h) for h in re.findall(r"^#{1,6} (.+)$", project, flags=re.M)}
+    in_course = {heading_anchor(h) for h in re.findall(r"^#{1,6} (.+)$", course, flags=re.M)}
+    course = re.sub(r"\]\(#([\w-]+)\)", lambda m: f"](project.md#{m.group(1)})"
+                    if m.group(1) in in_project else m.group(0), course)
+    project = re.sub(r"\]\(#([\w-]+)\)", lambda m: f"](index.md#{m.group(1)})"
+                     if m.group(1) in in_course else m.group(0), project)
+    return course, "# The project: how it works, its layout, its tests\n\n" + project
+
+
+def readme_anchors(text, project, to_docs):
+    """Links to README.md#anchor: to the project page where that heading is there, else the landing page."""
+    in_project = {heading_anchor(h) for h in re.findall(r"^#{1,6} (.+)$", project, flags=re.M)}
+    return re.sub(r"\]\(\.\./README\.md#([\w-]+)\)",
+                  lambda m: f"]({to_docs}{'project' if m.group(1) in in_project else 'index'}.md#{m.group(1)})", text)
+
+
 def stage():
     for folder in (STAGED, FILES, STATIC):
         shutil.rmtree(folder, ignore_errors=True)
@@ -145,7 +177,9 @@ def stage():
         (STAGED / path.name).write_text(json.dumps(nb, indent=1, ensure_ascii=False), encoding="utf-8")
         staged.append(path.name)
     readme = copy_linked_files((ROOT / "README.md").read_text(encoding="utf-8"), source_dir=ROOT, to_docs="")
-    (DOCS / "_readme.md").write_text(mermaid_diagrams(readme), encoding="utf-8")
+    course, project = split_readme(readme)
+    (DOCS / "_readme.md").write_text(mermaid_diagrams(course), encoding="utf-8")
+    (DOCS / "_project.md").write_text(mermaid_diagrams(project), encoding="utf-8")
     glossary = NOTEBOOKS / "glossary.md"
     if glossary.is_file():
         text = mermaid_diagrams(copy_linked_files(glossary.read_text(encoding="utf-8")))
@@ -155,7 +189,7 @@ def stage():
         raise SystemExit("docs: notebooks/glossary.md is missing (the site's glossary page)")
     guide = NOTEBOOKS / "instructors.md"          # the instructor's guide; its links to README sections
     if guide.is_file():                             # point at the landing page, which includes the README
-        text = copy_linked_files(guide.read_text(encoding="utf-8")).replace("](../README.md#", "](../index.md#")
+        text = readme_anchors(copy_linked_files(guide.read_text(encoding="utf-8")), project, "../")
         (STAGED / "instructors.md").write_text(mermaid_diagrams(text), encoding="utf-8")
         staged.append("instructors.md")
     mermaid = os.environ.get("DOCS_MERMAID_JS")
