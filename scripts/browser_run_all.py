@@ -3,6 +3,8 @@
     .venv/bin/python scripts/browser_run_all.py                 # every numbered notebook
     .venv/bin/python scripts/browser_run_all.py 03 06           # some of them, by number
     .venv/bin/python scripts/browser_run_all.py --out /tmp/shots
+    .venv/bin/python scripts/browser_run_all.py --write-times  # and record each Run All time in
+                                                                # notebooks/run_all_times.json
 
 For each notebook, as a learner would: open it in JupyterLab, Run > Restart Kernel and Run All Cells,
 wait until the kernel is idle, then screenshot the page from top to bottom (NN_name-01.png, ...).
@@ -11,9 +13,16 @@ unrun, stderr output, and the page's console errors. The pictures go to the git-
 screenshots/ folder: look at them, keep them out of the repository.
 
 Needs what tests/test_browser.py needs (Debian's chromium, the playwright package); it uses that
-file's JupyterLab server and notebook driver. Set DDP_HELPERS_CIFAR10 for notebook 06.
+file's JupyterLab server and notebook driver. Set DDP_HELPERS_CIFAR10 for notebooks 06 and 07.
+
+With --write-times, a notebook that ran to the end without an error output has its time written into
+notebooks/run_all_times.json, with the machine it was measured on; measure on an idle machine, then
+run scripts/stamp_times.py, which writes the times into the headers, the instructor's guide and the README.
 """
 import argparse
+import json
+import os
+import platform
 import sys
 import tempfile
 import time
@@ -30,6 +39,8 @@ def main():
     parser.add_argument("--out", default=str(ROOT / "screenshots"), help="folder for the pictures and report.md")
     parser.add_argument("--timeout", type=float, default=600, help="seconds a notebook may run")
     parser.add_argument("--max-shots", type=int, default=40, help="pictures per notebook at most")
+    parser.add_argument("--write-times", action="store_true",
+                        help="record each clean Run All time in notebooks/run_all_times.json")
     args = parser.parse_args()
     try:
         import test_browser as tb
@@ -49,7 +60,10 @@ def main():
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=tb.CHROMIUM, args=["--no-sandbox"])
             for name in notebooks:
-                report += run_one(tb, lab, browser, name, out, args)
+                lines, seconds, clean = run_one(tb, lab, browser, name, out, args)
+                report += lines
+                if args.write_times and clean:
+                    write_time(name, seconds, browser.version)
                 lab.shutdown_kernels()
                 (out / "report.md").write_text("\n".join(report) + "\n")
             browser.close()
@@ -85,7 +99,38 @@ def run_one(tb, lab, browser, name, out, args):
               f"- console errors: {console[:5] or 'none'}",
               f"- pictures: {', '.join(s.name for s in shots)}", ""]
     nb.close()
-    return lines
+    clean = not errors and not unrun and not any(x.startswith("- did not finish") for x in lines)
+    return lines, seconds, clean
+
+
+def machine(browser_version):
+    """What the times were measured on, in a learner's words (short) and in full (long)."""
+    import jupyterlab
+    import psutil
+    import torch
+    cores = os.cpu_count()
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(x.split(":", 1)[1].strip() for x in f if x.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    where = f"{gpus} GPU{'s' if gpus > 1 else ''}" if gpus else f"a {cores}-core CPU"
+    return {"short": where, "cores": cores, "gpus": gpus, "torch": torch.__version__.split("+")[0],
+            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+            "long": (f"{where} ({model}, {psutil.virtual_memory().total / 2**30:.0f} GiB; torch "
+                     f"{torch.__version__.split('+')[0]}, JupyterLab {jupyterlab.__version__}, "
+                     f"Chromium {browser_version})")}
+
+
+def write_time(name, seconds, browser_version):
+    path = ROOT / "notebooks" / "run_all_times.json"
+    table = json.loads(path.read_text()) if path.is_file() else {"notebooks": {}}
+    table["machine"] = machine(browser_version)
+    table["notebooks"][name] = {"run_all_s": round(seconds, 1)}
+    table["notebooks"] = dict(sorted(table["notebooks"].items()))
+    path.write_text(json.dumps(table, indent=1) + "\n")
 
 
 def screenshots(page, out, stem, max_shots):
