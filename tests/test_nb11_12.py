@@ -1,6 +1,7 @@
 """What notebooks 11 (torchrun, several nodes) and 12 (debugging) show, checked outside the notebooks:
 py-spy as an optional tool that reads a stuck rank's C++ frames, dist.breakpoint under torchrun with
-typed input, and why a notebook's ranks cannot be debugged with it."""
+typed input, and why a notebook's ranks cannot be debugged with it; what 12 reads from the installed
+torch about a dead peer, and where its sources are cited."""
 import os
 import re
 import shutil
@@ -8,7 +9,9 @@ import subprocess
 import sys
 import time
 
+import nbformat
 import pytest
+import torch
 
 try:
     import tomllib
@@ -18,6 +21,9 @@ except ImportError:   # Python 3.10
 from conftest import REPO, seconds
 from ddp_helpers import launch, torchrun
 from ddp_helpers.compat import loopback_interface
+
+NB11 = os.path.join(REPO, "notebooks", "11_beyond_one_machine.ipynb")
+NB12 = os.path.join(REPO, "notebooks", "12_debugging.ipynb")
 
 needs_private_network = pytest.mark.skipif(not torchrun.private_network_available(),
                                            reason="needs `unshare -rn` (a private network namespace)")
@@ -90,3 +96,49 @@ def test_dist_breakpoint_under_torchrun_reads_the_typed_commands(tmp_path):
     assert "debug_me.py(4)<module>()" in log and "tensor([0., 0.])" in log          # rank 0's own x
     assert log.count("(Pdb) ") == 3                                                 # one prompt per command
     assert sorted(re.findall(r"rank \d: \[.*?\]", log)) == ["rank 0: [1.0, 1.0]", "rank 1: [1.0, 1.0]"]
+
+
+def _cells(path):
+    """The notebook's cells, and the index of its Summary cell (the end of the core)."""
+    cells = nbformat.read(path, as_version=4).cells
+    summary = next(i for i, c in enumerate(cells)
+                   if c.cell_type == "markdown" and c.source.lstrip().startswith("## Summary"))
+    return cells, summary
+
+
+def test_12_reads_the_nccl_failure_defaults_from_the_installed_torch():
+    # Notebook 12, "When a peer dies": the group timeouts and torchrun's TORCH_NCCL_ASYNC_ERROR_HANDLING.
+    cells, summary = _cells(NB12)
+    cell = next(c for c in cells[:summary] if c.cell_type == "code" and "local_elastic_agent" in c.source)
+    namespace = {"torch": torch, "os": os, "re": re}
+    exec(cell.source, namespace)   # its own assert: torchrun's agent sets 1
+    assert namespace["agent"].group(1) == "1"
+    from torch.distributed import constants
+    assert constants.default_pg_timeout.total_seconds() == 30 * 60                     # Gloo: "30 minutes"
+    assert constants.default_pg_nccl_timeout is None or constants.default_pg_nccl_timeout.seconds == 600
+
+
+def test_12_shows_the_gloo_survivor_live_with_a_short_timeout():
+    # The core runs the survivor with timeout=2 s and asserts "at once" vs "at the timeout".
+    cells, summary = _cells(NB12)
+    cell = next(c for c in cells[:summary] if c.cell_type == "code" and "def survivor" in c.source)
+    assert "timeout=timedelta(seconds=2)" in cell.source
+    assert '"Timed out" in said and 1.9 < waited' in cell.source and '"by peer" in said' in cell.source
+
+
+def test_12_cites_the_flight_recorder_defaults_in_going_further_only():
+    cells, summary = _cells(NB12)
+    core = "\n".join(c.source for c in cells[:summary + 1] if c.cell_type == "markdown")
+    rest = "\n".join(c.source for c in cells[summary + 1:] if c.cell_type == "markdown")
+    for pr in ("https://github.com/pytorch/pytorch/pull/142260", "https://github.com/pytorch/pytorch/pull/143446"):
+        assert pr in rest and pr not in core
+    for issue in ("NVIDIA/nccl/issues/795", "deepseek-ai/DeepEP/issues/106"):
+        assert issue in rest
+    assert "TORCH_NCCL_PROPAGATE_ERROR" in rest and "ncclRemoteError" in core
+
+
+def test_12_reads_proc_only_where_it_exists():
+    # macOS has no /proc: the cell that reads a rank's standard input checks first.
+    cells, _ = _cells(NB12)
+    cell = next(c for c in cells if c.cell_type == "code" and "/proc/self/fd/0" in c.source)
+    assert "os.path.exists(fd0)" in cell.source

@@ -44,7 +44,7 @@ def test_breakpoint_reads_dev_stdin_and_lengthens_timeouts():
 
 
 def test_shrink_group_is_there_from_torch_2_10():
-    # Notebooks 01 and 04: new in torch 2.10 (torch 2.9.1's distributed_c10d.py has no shrink_group).
+    # Notebook 12, Going further: new in torch 2.10 (torch 2.9.1's distributed_c10d.py has no shrink_group).
     if torch_version() >= (2, 10):
         assert hasattr(dist, "shrink_group")
     else:
@@ -73,7 +73,7 @@ def test_without_the_agent_store_worker_rank_0_hosts_it(monkeypatch):
 
 
 def test_torchrun_agent_gives_workers_async_error_handling_1():
-    # Notebooks 04 and 11: the agent sets TORCH_NCCL_ASYNC_ERROR_HANDLING=1 unless it is set already.
+    # Notebook 12: the agent sets TORCH_NCCL_ASYNC_ERROR_HANDLING=1 unless it is set already.
     from torch.distributed.elastic.agent.server import local_elastic_agent
     source = inspect.getsource(local_elastic_agent)
     assert re.search(r'"TORCH_NCCL_ASYNC_ERROR_HANDLING": os\.getenv\(\s*"TORCH_NCCL_ASYNC_ERROR_HANDLING",'
@@ -104,12 +104,19 @@ def test_ddp_sends_rank_0s_buffers_by_default_under_its_torch_2_13_name():
 
 
 def test_nccl_async_error_handling_defaults_to_3_and_the_dump_switch_is_declared():
-    # Notebooks 11 and 12: TORCH_NCCL_ASYNC_ERROR_HANDLING's default is 3 (SkipCleanUp), and the
+    # Notebook 12: TORCH_NCCL_ASYNC_ERROR_HANDLING's default is 3 (SkipCleanUp), and the
     # Flight Recorder's dump is switched by TORCH_NCCL_DUMP_ON_TIMEOUT (its default, 1, is set in
     # ProcessGroupNCCL.cpp, which the wheel does not ship: notebook 12 shows it measured on an H200).
     text = c10d_header("ProcessGroupNCCL.hpp")
     assert "default value (3 - SkipCleanUp)" in text
     assert re.search(r'TORCH_NCCL_DUMP_ON_TIMEOUT = \{\s*"TORCH_NCCL_DUMP_ON_TIMEOUT"\}', text)
+
+
+def test_nccl_propagate_error_is_declared_as_notebook_12_says():
+    # Notebook 12, Going further: a rank that sees an NCCL error tells the others through the store.
+    text = c10d_header("ProcessGroupNCCL.hpp")
+    said = re.search(r"//([^\n]*)\n(?://[^\n]*\n)*static std::vector<std::string> TORCH_NCCL_PROPAGATE_ERROR", text)
+    assert said and "propagate NCCL errors to all ranks through TCPStore" in said.group(1)
 
 
 def test_torchrun_agent_tells_its_workers_whether_they_use_its_store():
