@@ -48,7 +48,8 @@ def timelines(runs: dict[str, list[list[tuple]]], unit: str = "ms", title: str |
     from matplotlib.patches import Patch
     n = len(runs)
     rows = sum(len(per_rank) for per_rank in runs.values())
-    fig, axes = plt.subplots(n, 1, figsize=(9.5, 0.9 + 0.42 * rows + 0.35 * n), squeeze=False)
+    height = 1.2 + 0.42 * rows + 0.35 * n
+    fig, axes = plt.subplots(n, 1, figsize=(9.5, height), squeeze=False)
     for ax, (label, per_rank) in zip(axes[:, 0], runs.items()):
         origin = min(a[3] for actions in per_rank for a in actions)
         _draw(ax, per_rank, 1000.0 if unit == "ms" else 1.0, origin, interleaved_p)
@@ -57,12 +58,13 @@ def timelines(runs: dict[str, list[list[tuple]]], unit: str = "ms", title: str |
         ax.tick_params(axis="x", labelsize=8)
     handles = [Patch(color=_F, label="forward (micro-batch number)"), Patch(color=_B, label="backward")]
     if interleaved_p:
-        handles += [Patch(color=_F2, label="forward, 2nd chunk"), Patch(color=_B2, label="backward, 2nd chunk")]
-    axes[0, 0].legend(handles=handles, fontsize=7, loc="lower right", bbox_to_anchor=(1, 1.0),
-                      ncol=len(handles), frameon=False)
+        handles += [Patch(color=_F2, label="forward, 2nd chunk"),
+                    Patch(color=_B2, label="backward, 2nd chunk")]
+    # the legend in its own strip under the plots, so it never covers a title
+    fig.legend(handles=handles, fontsize=7, loc="lower center", ncol=len(handles), frameon=False)
     if title:
         fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.3 / height, 1, 1))
     return fig
 
 
