@@ -48,8 +48,8 @@ def probe_support(device="cpu", only=None, skip=()):
     Returns {op: "✓"} or {op: "✘ <error type>"}. Ops run in the same order on
     every rank, so a failing op fails on all of them and the probe carries on.
     `only` probes a single op (by its name in the result); ops in `skip` are not tried
-    and reported as "not probed" (Gloo's send of a CUDA tensor crashed the process on
-    torch 2.11 instead of raising).
+    and reported as "not probed" (Gloo's send of a CUDA tensor raises a RuntimeError, but on
+    torch 2.11 it can also abort the process: seen once in two runs on one H100).
     """
     found = {}
     for name, call in _support_probes(dist.get_world_size(), dist.get_rank(), device).items():
