@@ -34,7 +34,8 @@ def test_the_header_states_the_measured_run_all_time(name):
 
 def test_the_instructors_guide_shows_the_table():
     guide = open(os.path.join(REPO, "notebooks", "instructors.md"), encoding="utf-8").read()
-    assert stamp_times.guide_table(TABLE) in guide, "instructors.md disagrees with the table: run scripts/stamp_times.py"
+    assert stamp_times.guide_table(TABLE) in guide, \
+        "instructors.md disagrees with the table: run scripts/stamp_times.py"
 
 
 def test_the_readme_map_shows_each_notebooks_times():
