@@ -27,6 +27,11 @@ VENDOR = DOCS / "_vendor"
 MERMAID_VERSION = "11.17.2"
 MERMAID_SHA256 = "581ed7d74bd9048d0e3a91363927d72ef22942d7722546b27f7cc29e35390eb8"
 MERMAID_JS = VENDOR / f"mermaid-{MERMAID_VERSION}.min.js"
+# Formulas ($...$ in the notebooks' markdown) are drawn by MathJax, served by the site itself as well:
+# its CommonHTML build and web fonts, from the npm package, checked against a pinned SHA-256.
+MATHJAX_VERSION = "3.2.2"
+MATHJAX_SHA256 = "1b9c0a1c44df864e915690558e72adb9cc5203360daefd385084ced3b6c64c09"
+MATHJAX_DIR = VENDOR / f"mathjax-{MATHJAX_VERSION}"
 
 
 def fetch_mermaid():
@@ -53,6 +58,39 @@ def fetch_mermaid():
                          f"expected {MERMAID_SHA256}")
     MERMAID_JS.write_bytes(data)
     return MERMAID_JS
+
+
+def fetch_mathjax():
+    """docs/_vendor/mathjax-VERSION/ (tex-chtml.js and its fonts), from the npm registry once, or None."""
+    if (MATHJAX_DIR / "tex-chtml.js").is_file():
+        return MATHJAX_DIR
+    npm = shutil.which("npm")
+    if npm is None:
+        return None
+    VENDOR.mkdir(exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        done = subprocess.run([npm, "pack", f"mathjax@{MATHJAX_VERSION}", "--silent", "--pack-destination", tmp],
+                              capture_output=True, text=True, timeout=300)
+        tarballs = list(Path(tmp).glob("mathjax-*.tgz"))
+        if done.returncode != 0 or not tarballs:
+            print(f"docs: npm pack mathjax@{MATHJAX_VERSION} failed: {done.stderr.strip()[-500:]}", file=sys.stderr)
+            return None
+        digest = _sha256(tarballs[0])
+        if digest != MATHJAX_SHA256:
+            raise SystemExit(f"docs: mathjax {MATHJAX_VERSION} from npm has SHA-256 {digest}, "
+                             f"expected {MATHJAX_SHA256}")
+        partial = VENDOR / f"mathjax-{MATHJAX_VERSION}.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        with tarfile.open(tarballs[0]) as tar:
+            for member in tar.getmembers():
+                name = member.name.removeprefix("package/es5/")
+                if member.isfile() and (name == "tex-chtml.js" or name.startswith("output/chtml/fonts/woff-v2/")):
+                    target = partial / name
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    target.write_bytes(tar.extractfile(member).read())
+        shutil.rmtree(MATHJAX_DIR, ignore_errors=True)
+        partial.rename(MATHJAX_DIR)
+    return MATHJAX_DIR
 
 
 def _sha256(path):
@@ -109,7 +147,12 @@ def main():
         if os.environ.get("CI") == "true":
             raise SystemExit("docs: CI needs the diagrams, and mermaid.min.js could not be had (npm?)")
         print("docs: notice: no npm, so the diagrams are shown as their Mermaid source text", file=sys.stderr)
-    env = dict(os.environ, DOCS_MERMAID_JS=str(mermaid or ""))
+    mathjax = fetch_mathjax()
+    if mathjax is None:
+        if os.environ.get("CI") == "true":
+            raise SystemExit("docs: CI needs the formulas, and MathJax could not be had (npm?)")
+        print("docs: notice: no npm, so formulas are shown as their TeX source", file=sys.stderr)
+    env = dict(os.environ, DOCS_MERMAID_JS=str(mermaid or ""), DOCS_MATHJAX=str(mathjax or ""))
     shutil.rmtree(OUT, ignore_errors=True)
     done = subprocess.run([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-j", "auto", "-b", "html",
                            "-d", str(DOCS / "_build" / "doctrees"), str(DOCS), str(OUT)], env=env)

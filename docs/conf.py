@@ -23,7 +23,11 @@ nb_execution_mode = "off"
 nb_ipywidgets_js = {}          # no widget JavaScript from the internet (the slider becomes a picture)
 nb_merge_streams = True        # one block per cell for a rank's interleaved stdout/stderr
 myst_heading_anchors = 3
-myst_enable_extensions = ["colon_fence"]   # not "smartquotes" or "replacements": text stays as written
+# not "smartquotes" or "replacements": text stays as written. "dollarmath": $...$ and $$...$$ are formulas, as
+# in JupyterLab; MathJax is served by the site itself (docs/build.py), never from a CDN.
+myst_enable_extensions = ["colon_fence", "dollarmath"]
+if (stage.STATIC / "mathjax" / "tex-chtml.js").is_file():
+    mathjax_path = "mathjax/tex-chtml.js"
 # No typographic replacement (docutils' SmartQuotes): "--allow-root" outside backticks stayed a command
 # only without it (it became an en dash), and quotes after Chinese text became two closing quotes.
 smartquotes = False

@@ -192,6 +192,9 @@ def stage():
         text = readme_anchors(copy_linked_files(guide.read_text(encoding="utf-8")), project, "../")
         (STAGED / "instructors.md").write_text(mermaid_diagrams(text), encoding="utf-8")
         staged.append("instructors.md")
+    mathjax = os.environ.get("DOCS_MATHJAX")
+    if mathjax:
+        shutil.copytree(mathjax, STATIC / "mathjax")
     mermaid = os.environ.get("DOCS_MERMAID_JS")
     if mermaid:
         shutil.copy2(mermaid, STATIC / "mermaid.min.js")

@@ -572,3 +572,18 @@ def test_the_landing_page_is_the_course_and_the_project_has_its_own_page(browser
         assert {"Layout", "Tests and CI", "How the notebooks start workers"} <= set(page.evaluate(headings))
     finally:
         page.close()
+
+
+def test_formulas_are_drawn_by_the_sites_own_mathjax(browser, site):
+    # 10's log-sum-exp merge was shown as raw "e^{L_a}" text; MathJax now draws it, served by the site.
+    page = browser.new_page()
+    loaded = []
+    page.on("request", lambda r: loaded.append(r.url))
+    try:
+        page.goto(f"{site}/notebooks/10_pipeline_and_context_parallel.html", wait_until="load")
+        page.wait_for_function("() => document.querySelectorAll('mjx-container').length >= 3",
+                               timeout=seconds(20) * 1000)
+        assert "e^{L_a}" not in page.inner_text("article")
+        assert all(url.startswith(site) for url in loaded), [u for u in loaded if not u.startswith(site)]
+    finally:
+        page.close()
