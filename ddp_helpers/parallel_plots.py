@@ -1,4 +1,4 @@
-"""Pictures for notebooks 09 and 10 (tensor, sequence, pipeline and context parallelism).
+"""Pictures for notebook 09 (DTensor placements; bytes saved for backward under TP and SP).
 
 Each function is self-contained: it takes what the ranks returned, draws it with pyplot and returns
 the figure, showing nothing itself (as `plots`: `fig = parallel_plots.show_placements(...)` as a

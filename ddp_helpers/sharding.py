@@ -7,8 +7,8 @@ The "Try it" exercise's checker lives with the others (`exercises.sharding`), an
 re-exported here as `check_shard_and_reassemble`, the name notebook 08 uses; its
 solutions are in `ddp_helpers/solutions.py`.
 
-The lesson's code (the ZeRO-1 step, `fully_shard`, the distributed checkpoint,
-the 2-D mesh) is in the notebook's cells, not here.
+The lesson's code (the ZeRO-1 step, `fully_shard`, and in Going further the
+distributed checkpoint) is in the notebook's cells, not here.
 
 Bytes are counted as PyTorch holds them: the whole storage behind each tensor
 (so padding that a shard is a view into counts), each storage once, and for a
