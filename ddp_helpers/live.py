@@ -4,6 +4,9 @@
     record = live.train(world_size=2, backend="gloo", width=16, epochs=2)   # settings: train.Config
     record = live.train(world_size=1, backend="nccl", speed=True, **speed.recipes.FAST)  # the speed layer
     live.plot(record)                                                       # the same picture, afterwards
+    records = live.compare({"1 rank": dict(world_size=1, batch_size=64),      # runs one after another,
+                            "2 ranks": dict(world_size=2, batch_size=32)},    # their mean loss curves
+                           width=16, epochs=2, per_class=100)                 # in one picture
 
 How it works: with `live=True`, rank 0 of `train.run` prints one line of JSON per
 logged window of steps, marked with `train.METRICS_PREFIX`. `launch` already forwards
@@ -38,6 +41,45 @@ def train(world_size=2, backend="gloo", timeout=900, env=None, view="auto", spee
     and show its progress; return the record (every rank returns the same one).
     view: "auto", "plot" (notebook picture) or "text".
     The ranks' own progress lines are off (verbose=False): the picture replaces them."""
+    run = checked(settings, speed)
+    view = PlotView() if view == "plot" or (view == "auto" and in_notebook()) else TextView()
+    try:
+        return launch_live(run, settings, world_size, backend, timeout, env, view.update)
+    finally:
+        view.close()
+
+
+def compare(runs, backend="gloo", timeout=900, env=None, view="auto", **common):
+    """Train several runs one after another and draw their loss curves in one picture (each curve:
+    the mean over its ranks of the loss at each step); return {name: record}.
+    runs: {name: settings of that run, world_size included (default 1)}; common: the settings all
+    runs share (train.Config). Every run's settings are checked before the first one starts.
+    Each rank uses one thread (OMP_NUM_THREADS=1, unless env says otherwise), so that runs of 1 and of
+    several ranks compute alike, and a busy machine's cores are not oversubscribed."""
+    env = {"OMP_NUM_THREADS": "1", **(env or {})}
+    plans = {}
+    for name, own in runs.items():
+        settings = {**common, **own}
+        world_size = settings.pop("world_size", 1)
+        plans[name] = (world_size, settings, checked(settings, speed=False, fetch=False))
+    for _, settings, _ in plans.values():
+        data.download_if_missing(settings.get("data"))   # here: the ranks' own network has no way out
+    view = ComparePlot(list(plans)) if view == "plot" or (view == "auto" and in_notebook()) \
+        else CompareText(list(plans))
+    records = {}
+    try:
+        for name, (world_size, settings, run) in plans.items():
+            view.begin(name)
+            records[name] = launch_live(run, settings, world_size, backend, timeout, env, view.update)
+            view.finish(records[name])
+    finally:
+        view.close()
+    return records
+
+
+def checked(settings, speed, fetch=True):
+    """The function the ranks run, once `settings` (changed in place: live, not verbose) passed
+    its checks, and (fetch) the data is there."""
     settings.update(live=True, verbose=False)
     if speed:
         from . import speed as speed_layer
@@ -46,16 +88,20 @@ def train(world_size=2, backend="gloo", timeout=900, env=None, view="auto", spee
     else:
         train_module.make_config(**settings)
         run = train_module.run
-    data.download_if_missing(settings.get("data"))   # here: the ranks' own network has no way out
-    view = PlotView() if view == "plot" or (view == "auto" and in_notebook()) else TextView()
-    metrics = MetricsFilter(sys.stdout, view.update)
+    if fetch:
+        data.download_if_missing(settings.get("data"))   # here: the ranks' own network has no way out
+    return run
+
+
+def launch_live(run, settings, world_size, backend, timeout, env, on_message):
+    """`launch(run)`, with every metric message that rank 0 prints sent to `on_message`."""
+    metrics = MetricsFilter(sys.stdout, on_message)
     try:
         with contextlib.redirect_stdout(metrics):
             results = launch(run, world_size=world_size, backend=backend,
                              kwargs=settings, timeout=timeout, env=env)
     finally:
         metrics.flush()
-        view.close()
     return results[0]
 
 
@@ -199,6 +245,96 @@ def status_line(record, done, total, running):
     else:
         text += "  ·  running" if running else "  ·  stopped before the end"
     return text
+
+
+def mean_loss(record):
+    """(steps, the mean over ranks of each step's loss) of a record."""
+    return ([s["step"] for s in record["steps"]],
+            [sum(s["loss"]) / len(s["loss"]) for s in record["steps"]])
+
+
+class CompareText:
+    """The runs of `compare` as plain lines: one when each run ends."""
+
+    def __init__(self, names):
+        self.names = names
+
+    def begin(self, name):
+        self.name = name
+
+    def update(self, message):
+        pass
+
+    def finish(self, record):
+        steps, loss = mean_loss(record)
+        print(f"{self.name}: {len(steps)} steps, mean loss {loss[0]:.3f} -> {loss[-1]:.3f}, "
+              f"test accuracy {record['test_accuracy']:.1%}", flush=True)
+
+    def close(self):
+        pass
+
+
+class ComparePlot:
+    """The runs of `compare` in one picture, redrawn in place: each run's mean loss by step."""
+
+    def __init__(self, names):
+        from IPython.display import display
+        self.names, self.done, self.last_draw = names, {}, 0.0
+        self.name, self.progress = None, Progress()
+        self.handle = display(self._image(), display_id=True)
+
+    def begin(self, name):
+        self.name, self.progress = name, Progress()
+
+    def update(self, message):
+        kind = self.progress.add(message)
+        if kind in ("epoch", "end") or time.perf_counter() - self.last_draw > REDRAW_EVERY_S:
+            self.handle.update(self._image())
+            self.last_draw = time.perf_counter()
+
+    def finish(self, record):
+        self.done[self.name] = record
+        self.name = None
+
+    def close(self):
+        self.handle.update(self._image())
+
+    def _image(self):
+        from IPython.display import Image
+        return Image(data=png(draw_compare(self.names, self.done, self.name, self.progress.record)))
+
+
+def draw_compare(names, done, running_name=None, running=None):
+    """One axes: the mean loss by step of each finished run (`done`: name -> record) and of the run
+    in progress (`running`: its record so far); the title says how far the runs are."""
+    fig = Picture(figsize=(9, 3.8), dpi=80, layout="constrained")
+    axes = fig.subplot_mosaic([["bar"], ["loss"]], height_ratios=[1, 8])
+    bar, ax = axes["bar"], axes["loss"]
+    total = max([r.get("total_steps") or 1 for r in done.values()] +
+                [(running or {}).get("total_steps") or 1])
+    share = 0.0  # of the current run
+    if running_name and running and running["steps"] and running["total_steps"]:
+        share = running["steps"][-1]["step"] / running["total_steps"]
+    bar.barh([0], [(len(done) + share) / len(names)], color="tab:blue")
+    bar.set(xlim=(0, 1), yticks=[], xticks=[], facecolor="0.9")
+    for i, name in enumerate(names):
+        record = done.get(name) or (running if name == running_name else None)
+        if record and record["steps"]:
+            steps, loss = mean_loss(record)
+            label = f"{name}" + (f": test accuracy {record['test_accuracy']:.1%}"
+                                 if "test_accuracy" in record else "")
+            ax.plot(steps, loss, lw=1.2, color=f"C{i}", label=label)
+    if running_name:
+        status = f"run {names.index(running_name) + 1}/{len(names)}: {running_name}"
+        if running and running["steps"]:
+            status += f", step {running['steps'][-1]['step']}/{running['total_steps']}"
+    else:
+        status = f"{len(done)}/{len(names)} runs done"
+    bar.set_title(status, fontsize=10)
+    ax.set(xlabel="step", ylabel="training loss (mean over ranks)", xlim=(0, total))
+    if ax.lines:
+        ax.legend(loc="upper right", fontsize=8)
+    return fig
 
 
 class Picture(Figure):

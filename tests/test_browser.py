@@ -380,9 +380,9 @@ def test_03_moving_the_ring_slider_changes_the_picture(open_notebook):
 
 
 def _start_training(nb):
-    nb.run_cell(nb.cell_index("import inspect"))   # the notebook's imports
+    nb.run_cell(nb.cell_index("import tempfile"))   # the notebook's imports
     nb.wait_idle(seconds(60))
-    index = nb.cell_index("live.train(")
+    index = nb.cell_index("live.compare(")
     nb.run_cell(index)
     return index
 
