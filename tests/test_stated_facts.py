@@ -52,7 +52,7 @@ def test_shrink_group_is_there_from_torch_2_10():
 
 
 def test_torchrun_workers_use_the_agent_store_unless_sharing_is_disabled(monkeypatch):
-    # Notebook 01, "The store itself": the agent's store by default, a fresh one with the variable set.
+    # Notebook 01, Going further, "Who runs the store": the agent's store by default, else a fresh one.
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
     handler = object.__new__(DynamicRendezvousHandler)     # use_agent_store reads only the environment
     monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
