@@ -55,7 +55,9 @@ def test_code_and_printed_lines_fit_the_notebook_width(path):
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)
 def test_each_notebook_fits_a_workshop_slot(path):
     nb = nbformat.read(path, as_version=4)
-    assert len(nb.cells) <= 45, f"{len(nb.cells)} cells: a 90-minute slot holds at most 45"
+    # The core's own budget is tests/test_lesson_budget.py's; "Going further" after it is bounded too,
+    # so the whole notebook still reads as one lesson with its appendix, not two notebooks in one.
+    assert len(nb.cells) <= 60, f"{len(nb.cells)} cells: a lesson and its Going further hold at most 60"
     head = nb.cells[0].source + "\n" + (nb.cells[1].source if len(nb.cells) > 1 else "")
     minutes = re.search(r"\*\*Time\*\*:?\*?\*? about (\d+) minutes", head)
     assert minutes, "the first cell states **Time**: about N minutes"
