@@ -142,3 +142,30 @@ def test_12_reads_proc_only_where_it_exists():
     cells, _ = _cells(NB12)
     cell = next(c for c in cells if c.cell_type == "code" and "/proc/self/fd/0" in c.source)
     assert "os.path.exists(fd0)" in cell.source
+
+
+def _header_time_line(cells):
+    return next(line for line in cells[0].source.splitlines() if line.startswith("**Time**"))
+
+
+@pytest.mark.parametrize("path", [NB11, NB12], ids=os.path.basename)
+def test_the_header_states_minutes_and_no_machine_timings(path):
+    # How long Run All takes is measured by the lead on each machine, not stated in the lesson.
+    cells, _ = _cells(path)
+    assert re.fullmatch(r"\*\*Time\*\*: about \d+ minutes\.", _header_time_line(cells))
+
+
+def test_11_leaves_what_a_dead_peer_does_to_12():
+    cells, summary = _cells(NB11)
+    core = "\n".join(c.source for c in cells[:summary + 1] if c.cell_type == "markdown")
+    for detail in ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "watchdog", "ncclRemoteError", "TORCH_NCCL_PROPAGATE_ERROR",
+                   "Connection closed by peer"):
+        assert detail not in core, detail
+    assert "(12_debugging.ipynb)" in core
+
+
+def test_11_glosses_p2p_as_direct_over_nvlink_or_pcie():
+    cells, _ = _cells(NB11)
+    cell = next(c for c in cells if c.cell_type == "code" and '"via P2P"' in c.source)
+    assert "NVLink or PCIe" in cell.source and "P2P (NVLink)" not in cell.source
+    assert "meta['interconnect']" in cell.source          # the stored machine's link, printed beside it

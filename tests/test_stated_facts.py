@@ -120,6 +120,6 @@ def test_nccl_propagate_error_is_declared_as_notebook_12_says():
 
 
 def test_torchrun_agent_tells_its_workers_whether_they_use_its_store():
-    # Notebook 11, "Two nodes, one job": the workers print TORCHELASTIC_USE_AGENT_STORE=True.
+    # Notebook 11, Going further, "Whose store": the workers print TORCHELASTIC_USE_AGENT_STORE=True.
     from torch.distributed.elastic.agent.server import local_elastic_agent
     assert '"TORCHELASTIC_USE_AGENT_STORE": str(use_agent_store)' in inspect.getsource(local_elastic_agent)
