@@ -124,6 +124,7 @@ def test_12_shows_the_gloo_survivor_live_with_a_short_timeout():
     cell = next(c for c in cells[:summary] if c.cell_type == "code" and "def survivor" in c.source)
     assert "timeout=timedelta(seconds=2)" in cell.source
     assert '"Timed out" in said and 1.9 < waited' in cell.source and '"by peer" in said' in cell.source
+    assert 'assert again == "raised again"' in cell.source                  # and the group stays broken
 
 
 def test_12_cites_the_flight_recorder_defaults_in_going_further_only():
