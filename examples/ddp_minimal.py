@@ -22,8 +22,8 @@ args = parser.parse_args()
 
 # 1. Setup: torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
 local_rank = int(os.environ["LOCAL_RANK"])
-if torch.cuda.is_available():
-    torch.cuda.set_device(local_rank)            # one GPU per process, before anything uses it
+if torch.cuda.device_count() >= int(os.environ["LOCAL_WORLD_SIZE"]):   # a GPU for each process
+    torch.cuda.set_device(local_rank)            # this process's GPU, before anything uses it
     device, backend = torch.device("cuda", local_rank), "nccl"
 else:
     device, backend = torch.device("cpu"), "gloo"
