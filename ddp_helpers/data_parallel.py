@@ -64,3 +64,14 @@ def all_reduce_sizes(prof):
     in the order they started."""
     runs = sorted((s, shapes) for name, s, _, shapes in checked_events(prof) if name == GLOO_ALL_REDUCE)
     return [shapes[0][0] if shapes and shapes[0] else None for _, shapes in runs]
+
+
+def all_reduce_dtypes(prof):
+    """The element type of each Gloo all-reduce, as the profiler names it ('float' for float32, 'int'
+    for int32), in the order they started; from a profile made with `record_shapes=True`. None
+    where this torch's profiler keeps no types."""
+    raw = getattr(getattr(prof, "profiler", None), "kineto_results", None)
+    if raw is None or not hasattr(raw, "events"):
+        return [None for _ in all_reduce_sizes(prof)]
+    runs = sorted((e.start_ns(), e.dtypes()) for e in raw.events() if e.name() == GLOO_ALL_REDUCE)
+    return [types[0] if types else None for _, types in runs]

@@ -3,7 +3,9 @@
 - `counted_throughput`: images/s of a training run's record, after a warm-up;
 - the 1-GPU settings that notebook 07 runs live and `benchmarks/perf_lab_1gpu.py` stores
   (`MODES`, `LOADERS`, `MODELS`), and `one_gpu_images_per_s` / `side_by_side` to run and print them;
-- `counting_bytes`: notes the bytes of every `dist.all_reduce` a block makes (comm hooks call it).
+- `counting_bytes`: notes the bytes of every `dist.all_reduce` a block makes (comm hooks call it);
+- `SimulatedLink`, `over_link` and `buckets_over_link`: DDP's buckets over a simulated wire (notebooks
+  05 and 07), so that the overlap of communication with backward shows on any CPU, loaded or not.
 Its pictures (buckets over a link, time to accuracy) are in `speed_plots`.
 
 The experiments themselves (the simulated link, the comm hooks, the compiled DDP model) are written
@@ -12,9 +14,14 @@ in the notebook's cells.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import statistics
+import time
+from collections.abc import Callable, Iterator
 
+import torch
 import torch.distributed as dist
+
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import speed
 from .launcher import WorkerError, launch
@@ -78,3 +85,92 @@ def counting_bytes() -> Iterator[list[int]]:
         yield sent
     finally:
         dist.all_reduce = real
+
+
+# ------------------------------------------------------------------ a simulated link
+class SimulatedLink:
+    """A simulated wire that carries one bucket at a time at `GBps` gigabytes per second.
+
+    `over_link` (the comm hook) keeps its schedule: a bucket leaves when it is ready and the wire is
+    free, and arrives `bytes / bandwidth` seconds later. Nothing waits while a bucket travels: only
+    the step's last bucket SLEEPS in the hook until the last byte has arrived (DDP calls the last
+    bucket's hook when backward's computation is done). Sleeping needs no CPU and no other thread,
+    so the effect does not depend on free cores. The wire only delays: DDP gets each bucket back as
+    it was sent (no average; `buckets_over_link` averages for real after backward, timed apart).
+    `log` holds each bucket's (ready, leaves, arrives), perf_counter seconds."""
+
+    def __init__(self, GBps: float):
+        self.GBps, self.log, self.free_at = GBps, [], 0.0
+
+
+def over_link(link: SimulatedLink, bucket):  # no return annotation: DDP checks it, and only as a type
+    """The comm hook: puts the bucket on the link's schedule; the step's last bucket waits (sleeps)
+    until the link has carried everything."""
+    ready = time.perf_counter()
+    leaves = max(ready, link.free_at)                        # the wire carries one bucket at a time
+    link.free_at = leaves + bucket.buffer().nbytes / (link.GBps * 1e9)
+    link.log.append((ready, leaves, link.free_at))
+    if bucket.is_last():
+        time.sleep(max(0.0, link.free_at - time.perf_counter()))   # sleeping: no CPU used
+    arrived = torch.futures.Future()
+    arrived.set_result(bucket.buffer())
+    return arrived
+
+
+def buckets_over_link(make_model: Callable[[], torch.nn.Module], x: torch.Tensor, caps=(1, 100),
+                      GBps: float | None = None, steps: int = 5, warmup: int = 2) -> dict:
+    """Inside a rank: backward() of `DDP(make_model(), bucket_cap_mb=cap)` for each cap, over a
+    SimulatedLink, the caps' steps alternated; after each backward the gradients are averaged for
+    real with one dist.all_reduce, timed apart. GBps None: the link takes as long as backward's
+    computation alone (C, measured first with a hook that sends nothing), i.e. L = C.
+    Returns {"compute_ms": C (median), "GBps", "link_ms": L, "real_all_reduce_ms", "grad_bytes",
+    "runs": {cap: {"step_ms" (median), "steps_ms" (each timed step, in the order run), "wait_ms"
+    (median time from the last bucket ready, i.e. the computation's end, to backward()'s return),
+    "last_ms" (the last step's backward()), "ready_ms", "link_ms" (the last step, ms since backward
+    started)}}}."""
+    def one_backward(model):
+        loss = model(x).square().mean()
+        start = time.perf_counter()
+        loss.backward()
+        return (time.perf_counter() - start) * 1e3, start
+
+    def nothing_sent(state, bucket):
+        done = torch.futures.Future()
+        done.set_result(bucket.buffer())
+        return done
+
+    torch.manual_seed(0)
+    alone = DDP(make_model())
+    alone.register_comm_hook(None, nothing_sent)
+    first_ms = statistics.median([one_backward(alone)[0] for _ in range(warmup + steps)][warmup:])
+    grad_bytes = sum(p.numel() * p.element_size() for p in alone.parameters())
+    GBps = GBps or grad_bytes / (first_ms * 1e6)
+    links = {cap: SimulatedLink(GBps) for cap in caps}
+    models = {cap: DDP(make_model(), bucket_cap_mb=cap) for cap in caps}
+    for cap, model in models.items():
+        model.register_comm_hook(links[cap], over_link)
+    times, waits, starts, real_ms, compute = {c: [] for c in caps}, {c: [] for c in caps}, {}, [], []
+    for _ in range(warmup + steps):        # warm-up: DDP sorts its buckets after the first step
+        compute.append(one_backward(alone)[0])         # C again, at the same moments as the others
+        for cap, model in models.items():              # alternated: a busy moment slows all
+            links[cap].log.clear()
+            ms, starts[cap] = one_backward(model)
+            times[cap].append(ms)                      # and how long backward() waited for the link
+            waits[cap].append(ms - (max(r for r, _, _ in links[cap].log) - starts[cap]) * 1e3)
+            start = time.perf_counter()                # the real average, timed apart
+            flat = torch.cat([p.grad.flatten() for p in model.parameters()])
+            dist.all_reduce(flat)
+            flat /= dist.get_world_size()
+            for p, part in zip(model.parameters(), flat.split([p.numel() for p in model.parameters()])):
+                p.grad.copy_(part.view_as(p.grad))
+            real_ms.append((time.perf_counter() - start) * 1e3)
+    compute_ms = statistics.median(compute[warmup:])
+    runs = {}
+    for cap, link in links.items():
+        at = lambda t, cap=cap: (t - starts[cap]) * 1e3
+        runs[cap] = {"step_ms": statistics.median(times[cap][warmup:]), "steps_ms": times[cap][warmup:],
+                     "wait_ms": statistics.median(waits[cap][warmup:]), "last_ms": times[cap][-1],
+                     "ready_ms": [at(r) for r, _, _ in link.log],
+                     "link_ms": [(at(s), at(e)) for _, s, e in link.log]}
+    return {"compute_ms": compute_ms, "GBps": GBps, "link_ms": grad_bytes / (GBps * 1e6),
+            "grad_bytes": grad_bytes, "real_all_reduce_ms": statistics.median(real_ms), "runs": runs}

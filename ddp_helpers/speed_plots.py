@@ -41,9 +41,10 @@ def accuracy_vs_seconds(ax: Axes, points: Sequence[tuple[str, float, float, floa
 
 
 def overlap_timeline(runs: dict[str, dict], title: str) -> Figure:
-    """One row per run (label -> {"step_ms", "ready_ms", "link_ms"}): a blue bar for backward's
+    """One row per run (label -> {"step_ms", "ready_ms", "link_ms"}, and "last_ms" when step_ms is a
+    median of several steps but ready_ms and link_ms are the last step's): a blue bar for backward's
     computation (until the last bucket is ready), a tick when each bucket is ready, an orange bar for
-    each bucket on the link, a black line at the end of the step. Returns the figure."""
+    each bucket on the link, a black line at the end of that step. Returns the figure."""
     fig, ax = plt.subplots(figsize=(8, 1.5 + 0.7 * len(runs)))
     for row, (label, run) in enumerate(runs.items()):
         y = len(runs) - 1 - row
@@ -53,7 +54,7 @@ def overlap_timeline(runs: dict[str, dict], title: str) -> Figure:
         for i, (start, end) in enumerate(run["link_ms"]):
             ax.barh(y - 0.15, end - start, left=start, height=0.25, color="tab:orange", edgecolor="white",
                     label="a bucket on the link" if row == 0 and i == 0 else None)
-        ax.vlines(run["step_ms"], y - 0.35, y + 0.35, colors="k", linewidth=2.5,
+        ax.vlines(run.get("last_ms", run["step_ms"]), y - 0.35, y + 0.35, colors="k", linewidth=2.5,
                   label="backward() returns" if row == 0 else None)
     ax.set_yticks(range(len(runs)), list(runs)[::-1])
     ax.set_xlabel("ms since backward() started (ticks: a bucket's gradients are all ready)")
@@ -63,13 +64,17 @@ def overlap_timeline(runs: dict[str, dict], title: str) -> Figure:
     return fig
 
 
-def overlap_sweep(sweep: dict[str, dict[float, float]], title: str) -> Figure:
-    """Step time against the link's bandwidth: one line per bucket setting (label -> {GB/s: ms}).
-    Returns the figure."""
+def overlap_sweep(sweep: dict[str, dict[float, float]], title: str,
+                  model: dict[str, dict[float, float]] | None = None) -> Figure:
+    """Step time against the link's bandwidth: one line per bucket setting (label -> {GB/s: ms}),
+    and, dashed, what a model predicts (label -> {GB/s: ms}). Returns the figure."""
     fig, ax = plt.subplots(figsize=(7, 3.2))
-    for label, by_bandwidth in sweep.items():
+    for (label, by_bandwidth), color in zip(sweep.items(), ("tab:blue", "tab:orange", "tab:green")):
         xs = sorted(by_bandwidth)
-        ax.plot(xs, [by_bandwidth[x] for x in xs], "o-", label=label)
+        ax.plot(xs, [by_bandwidth[x] for x in xs], "o-", label=label, color=color)
+    for (label, by_bandwidth), color in zip((model or {}).items(), ("tab:blue", "tab:orange", "tab:green")):
+        xs = sorted(by_bandwidth)
+        ax.plot(xs, [by_bandwidth[x] for x in xs], "--", label=label, color=color, alpha=0.6)
     ax.set(xscale="log", xlabel="simulated link bandwidth (GB/s)", ylabel="backward() (ms, median)")
     ax.set_xticks(xs, [f"{x:.3g}" for x in xs])
     ax.minorticks_off()

@@ -133,14 +133,14 @@ def find_unused_all_reduces():
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
             model(x).sum().backward()
             time.sleep(0.2)
-        sizes[flag] = all_reduce_sizes(prof)
+        sizes[flag] = sorted(zip(all_reduce_sizes(prof), data_parallel.all_reduce_dtypes(prof)))
     return sizes
 
 
-def test_find_unused_parameters_adds_an_all_reduce_of_one_flag_per_parameter():
+def test_find_unused_parameters_adds_an_all_reduce_of_one_int32_flag_per_parameter():
     sizes = launch(find_unused_all_reduces, 2, quiet=True)[0]
-    assert sizes[False] == [20 * 272]
-    assert sorted(sizes[True]) == [40, 20 * 272]
+    assert sizes[False] == [(20 * 272, "float")]
+    assert sizes[True] == [(40, "int"), (20 * 272, "float")]     # the profiler's names: float32, int32
 
 
 def gradient_blocks(view):

@@ -44,8 +44,32 @@ def test_overlap_pictures_draw_every_bucket_and_every_setting():
     ax = fig.axes[0]
     orange = [p for p in ax.patches if p.get_facecolor()[:3] == matplotlib.colors.to_rgb("tab:orange")]
     assert len(orange) == 4 and [t.get_text() for t in ax.get_yticklabels()] == ["one", "several"]
-    fig = speed_plots.overlap_sweep({"a": {0.1: 10.0, 1.0: 5.0}, "b": {0.1: 12.0, 1.0: 5.0}}, "title")
-    assert [line.get_label() for line in fig.axes[0].get_lines()] == ["a", "b"]
+    runs["one"]["last_ms"] = 69.0                  # the black line: that step's end, not the median
+    ends = speed_plots.overlap_timeline(runs, "title").axes[0].collections[-1].get_segments()
+    assert ends[0][0][0] == 69.0
+    fig = speed_plots.overlap_sweep({"a": {0.1: 10.0, 1.0: 5.0}, "b": {0.1: 12.0, 1.0: 5.0}}, "title",
+                                    model={"a, model": {0.1: 9.0, 1.0: 4.0}})
+    assert [line.get_label() for line in fig.axes[0].get_lines()] == ["a", "b", "a, model"]
+    assert fig.axes[0].get_lines()[2].get_linestyle() == "--"
+
+
+def _over_a_slow_link():
+    torch.set_num_threads(1)
+    make = lambda: torch.nn.Sequential(*[torch.nn.Linear(128, 128) for _ in range(4)])
+    return perf_lab.buckets_over_link(make, torch.randn(256, 128), caps=(0.05, 100), GBps=0.005, steps=3)
+
+
+def test_buckets_over_a_simulated_link_overlap_and_the_real_average_is_apart():
+    """4 buckets leave during backward, one after it; 264 kB at 5 MB/s is about 53 ms on the link
+    (sleeping: no CPU), which the one-bucket step pays after its computation."""
+    for out in launch(_over_a_slow_link, 2):
+        several, one = out["runs"][0.05], out["runs"][100]
+        assert len(several["link_ms"]) == 4 and len(one["link_ms"]) == 1
+        assert several["link_ms"][0][0] < max(several["ready_ms"])     # the first leaves during backward
+        assert one["link_ms"][0][0] == one["ready_ms"][0]               # the only one: when it is ready
+        assert abs(out["link_ms"] - out["grad_bytes"] / 5e6 * 1e3) < 1e-6 and out["real_all_reduce_ms"] > 0
+        assert one["step_ms"] >= out["link_ms"] and len(several["steps_ms"]) == 3
+        assert one["wait_ms"] >= 0.9 * out["link_ms"] and several["last_ms"] == several["steps_ms"][-1]
 
 
 def test_stored_caption_and_time_to_accuracy():
