@@ -4,8 +4,8 @@ PyTorch's tutorials start their ranks with `mp.spawn(demo, args=(world_size,), n
 or `mp.Process(target=..., args=(rank, size, fn))`, and each rank calls
 `init_process_group` itself after setting `MASTER_ADDR` and `MASTER_PORT` to a fixed port.
 Pasted into a notebook, that fails: with the spawn start method a child cannot find a
-function defined in the notebook; a child's traceback goes to the terminal that runs
-Jupyter, not to the cell; and two runs on one machine collide on the fixed port.
+function defined in the notebook (each child raises "Can't get attribute" for it); the ranks'
+output is not gathered per rank; and two runs on one machine collide on the fixed port.
 
 `%load_ext ddp_helpers` (or `enable()`) changes that, in this kernel only:
 

@@ -139,13 +139,13 @@ def _tree_broadcast_traffic(traffic, n, length):
                 "each rank that has the data should send it on in every round, so the number of ranks with the "
                 "data doubles")
         return [f"{traffic.rounds} rounds: the longest chain of messages that wait for each other is "
-                f"{traffic.describe_chain()} (a rank sends one message at a time). A binary tree needs only "
+                f"{traffic.describe_chain()} (a rank sends one message at a time). A binomial tree needs only "
                 f"ceil(log2 {n}) = {best}: {hint}"]
     return []
 
 
 def check_tree_broadcast(fn: Callable[[torch.Tensor], torch.Tensor]) -> Verdict:
-    """Notebook 02: `fn(t)` returns rank 0's tensor on every rank, sent along a binary tree.
+    """Notebook 02: `fn(t)` returns rank 0's tensor on every rank, sent along a binomial tree.
     Also checks how: one message per receiving rank, and at most ceil(log2 n) rounds."""
     return _check("tree_broadcast", fn, _LENGTH_CASES + [(4, 1), (5, 2)], _rank_data,
                   lambda r, n, k: _rank_data(0, n, k)[0],
