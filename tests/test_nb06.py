@@ -39,7 +39,11 @@ def test_the_notebook_runs_the_script_under_torchrun():
 def test_no_rank_waits_forever_in_the_text():
     text = " ".join(c.source for c in _cells() if c.cell_type == "markdown").replace("\n", " ")
     assert "forever" not in text
-    assert "30 minutes by default for Gloo" in text and "12_debugging.ipynb" in text
+    assert "30 minutes by default for Gloo, 10 for NCCL" in text and "12_debugging.ipynb" in text
+    from datetime import timedelta
+    from torch.distributed import constants
+    assert constants.default_pg_timeout == timedelta(minutes=30)            # what the text says
+    assert getattr(constants, "default_pg_nccl_timeout", timedelta(minutes=10)) == timedelta(minutes=10)
 
 
 def _record(losses, accuracy=None, total=None):
