@@ -1,4 +1,5 @@
-"""Plumbing for notebook 07 (the performance lab): what the lesson's cells need but do not teach.
+"""Plumbing for notebook 07 (the performance lab), and 05's simulated link: what the lessons' cells
+need but do not teach.
 
 - `counted_throughput`: images/s of a training run's record, after a warm-up;
 - the 1-GPU settings that notebook 07 runs live and `benchmarks/perf_lab_1gpu.py` stores
