@@ -27,7 +27,7 @@ if torch.cuda.device_count() >= int(os.environ["LOCAL_WORLD_SIZE"]):   # a GPU f
     device, backend = torch.device("cuda", local_rank), "nccl"
 else:
     device, backend = torch.device("cpu"), "gloo"
-dist.init_process_group(backend)                 # env://: reads the variables above
+dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)  # env://
 rank, world_size = dist.get_rank(), dist.get_world_size()
 
 # 2. The model: the same seed everywhere; DDP also broadcasts rank 0's weights when it wraps
