@@ -321,9 +321,7 @@ def draw_compare(names, done, running_name=None, running=None):
         record = done.get(name) or (running if name == running_name else None)
         if record and record["steps"]:
             steps, loss = mean_loss(record)
-            label = f"{name}" + (f": test accuracy {record['test_accuracy']:.1%}"
-                                 if "test_accuracy" in record else "")
-            ax.plot(steps, loss, lw=1.2, color=f"C{i}", label=label)
+            ax.plot(steps, loss, lw=1.2, color=f"C{i}", label=name)
     if running_name:
         status = f"run {names.index(running_name) + 1}/{len(names)}: {running_name}"
         if running and running["steps"]:
