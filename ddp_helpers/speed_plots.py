@@ -1,6 +1,6 @@
-"""The charts of notebook 07 (the performance lab), of 05's simulated link, and of the appendix A1
-(the speedrun): buckets against the backward pass over a simulated link, step time against the
-link's bandwidth, time to accuracy; and the caption that says where and when a stored training benchmark was measured.
+"""The charts of notebook 07 (the performance lab) and of 05's simulated link: buckets against the
+backward pass over a simulated link, step time against the link's bandwidth, time to accuracy of
+stored training runs; and the caption that says where and when a stored training benchmark was measured.
 
     fig = speed_plots.overlap_timeline(runs, "one backward() on 2 CPU ranks")   # then plt.show()
     print(speed_plots.stored_caption(reference.load("perf_lab_1gpu")[1]))
