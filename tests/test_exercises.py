@@ -178,6 +178,11 @@ def test_torchrun_command_checker():
     assert not old and "deprecated: use torchrun" in repr(old)
     rank_list = exercises.check_torchrun_command("RANK=0,1 torchrun --nproc-per-node=2 -m ddp_helpers.train")
     assert "torchrun sets RANK" in repr(rank_list)
+    # "gpu" (one process per GPU, as the SLURM file writes it) is right on these 4-GPU nodes, GPUs here or not
+    per_gpu = exercises.check_torchrun_command(solutions.torchrun_command.replace("--nproc-per-node=4",
+                                                                                  "--nproc-per-node=gpu"))
+    assert "--nproc-per-node=gpu" in solutions.torchrun_command.replace("--nproc-per-node=4", "--nproc-per-node=gpu")
+    assert per_gpu, repr(per_gpu)
 
 
 # ---- notebook 05: one all-reduce for all gradients (the checker wraps dist.all_reduce in the ranks)

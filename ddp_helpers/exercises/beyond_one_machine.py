@@ -67,6 +67,8 @@ def check_torchrun_command(command: str) -> Verdict:
         hint = (" (options before the program are torchrun's; the program's own go after it)"
                 if "unrecognized arguments" in refusal else "")
         return Verdict(title, [f"torchrun would refuse it: {refusal}{hint}"])
+    if args.nproc_per_node in ("gpu", "cuda"):   # one process per GPU: 4 on these nodes. torchrun counts the GPUs
+        args.nproc_per_node = "4"                 # when it starts, so it is checked as 4 (this machine may have none)
     problems = _torchrun_config_problems(run, args)
     if args.standalone:
         problems.append("--standalone is for one node only: it starts its own rendezvous on this machine")
