@@ -33,7 +33,7 @@ def load():
 def about(seconds: float) -> int:
     """A measured time as a reader takes it in: to 5 s below a minute, to 10 s above, never 0."""
     step = 5 if seconds < 60 else 10
-    return max(step, int(round(seconds / step)) * step)
+    return max(step, int(seconds / step + 0.5) * step)   # half up (Python's round() halves to even)
 
 
 def run_all_line(seconds: float, table: dict) -> str:
