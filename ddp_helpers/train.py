@@ -90,7 +90,8 @@ def checkpoint_checks(template: str | None) -> list[tuple[bool, str]]:
     if os.path.isdir(path):
         return [(False, f"checkpoint={template!r} is a folder: name a file in it, "
                         f"e.g. {os.path.join(template, 'epoch-{epoch}.pt')}")]
-    why = why_unwritable(os.path.dirname(path))
+    why = ("it exists and is not a regular file (a device, a pipe or a socket): saving would replace it"
+           if os.path.exists(path) and not os.path.isfile(path) else why_unwritable(os.path.dirname(path)))
     return [(why is None, f"checkpoint={template!r}: {why}")]
 
 

@@ -25,6 +25,7 @@ import gc
 import io
 import json
 import os
+import stat
 import re
 import subprocess
 import sys
@@ -550,6 +551,22 @@ def test_bad_settings_are_clear_errors_before_any_process_starts(monkeypatch, se
     with pytest.raises(error, match=message):
         train.run(**settings)
     assert not dist.is_initialized()  # train.run checks before it makes a process group
+
+
+@pytest.mark.parametrize("kind", ["character device", "fifo"])
+def test_a_checkpoint_path_that_is_a_device_or_a_pipe_is_refused_up_front(tmp_path, kind):
+    # As root, --checkpoint /dev/null passed the check and the atomic save replaced the machine's /dev/null
+    # with a regular file. A device made here (root: mknod, like /dev/null's 1:3) or a pipe (anyone).
+    path = tmp_path / "null"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif os.geteuid() == 0:
+        os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    else:
+        pytest.skip("making a character device needs root")
+    with pytest.raises(ValueError, match=r"it exists and is not a regular file \(a device, a pipe or a socket\)"):
+        train.make_config(checkpoint=str(path))
+    assert not path.is_file() and path.exists()
 
 
 def test_cli_help_and_bad_arguments(capsys):
