@@ -58,6 +58,19 @@ def why_unwritable(folder: str | os.PathLike) -> str | None:
         return f"cannot write in {near} (not a folder)"
     if not os.access(near, os.W_OK | os.X_OK):
         return f"cannot write in {near} (no permission, or a read-only file system)"
+    # os.access says yes to root everywhere (/proc, /sys): try what saving will do, a folder and a file in it
+    made = None
+    try:
+        made = tempfile.mkdtemp(prefix=".write-check-", dir=near) if near != pathlib.Path(folder) else None
+        handle, probe = tempfile.mkstemp(prefix=".write-check-", dir=made or near)
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as err:
+        return f"cannot write in {near} ({err.strerror or err})"
+    finally:
+        if made:
+            with contextlib.suppress(OSError):
+                os.rmdir(made)
     return None
 
 

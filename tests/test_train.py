@@ -526,6 +526,8 @@ BAD_SETTINGS = [  # (settings, error, a regular expression for its message)
      re.escape(f"checkpoint={os.path.dirname(__file__)!r} is a folder: name a file in it, e.g. ")),
     (dict(checkpoint=__file__ + "/ck.pt"), ValueError,                  # a file where a folder should be
      re.escape(f"checkpoint='{__file__}/ck.pt': cannot write in {__file__} (not a folder)")),
+    *([(dict(checkpoint="/proc/no/such/ck.pt"), ValueError,   # root's os.access says yes to /proc: it was
+        r"checkpoint='/proc/no/such/ck.pt': cannot write in /proc")] if os.path.isdir("/proc") else []),  # taken
     (dict(eval_every=-1), ValueError, r"eval_every .*>= 0"),
     (dict(fail_rank=-1), ValueError, r"fail_rank must be >= 0, got .* and -1"),
     (dict(device="tpu"), ValueError, r"device must be auto, cpu or cuda, got 'tpu'"),
