@@ -9,6 +9,7 @@ serves itself, so no page fetches anything from the internet; it comes from the 
 (`npm pack`, checked against a pinned SHA-256) into the git-ignored docs/_vendor/. Without npm the
 diagrams are shown as their source text, with a notice; CI (CI=true) requires them.
 """
+import contextlib
 import hashlib
 import html.parser
 import os
@@ -34,28 +35,34 @@ MATHJAX_SHA256 = "1b9c0a1c44df864e915690558e72adb9cc5203360daefd385084ced3b6c64c
 MATHJAX_DIR = VENDOR / f"mathjax-{MATHJAX_VERSION}"
 
 
+@contextlib.contextmanager
+def _npm_pack(package, version):
+    """The npm registry's tarball of package@version, in a temporary folder while the block runs; None
+    (with the reason printed) where npm is missing or the pack fails."""
+    npm = shutil.which("npm")
+    with tempfile.TemporaryDirectory() as tmp:
+        done = (subprocess.run([npm, "pack", f"{package}@{version}", "--silent", "--pack-destination", tmp],
+                               capture_output=True, text=True, timeout=300) if npm else None)
+        tarballs = list(Path(tmp).glob(f"{package}-*.tgz"))
+        if done is not None and (done.returncode != 0 or not tarballs):
+            print(f"docs: npm pack {package}@{version} failed: {done.stderr.strip()[-500:]}", file=sys.stderr)
+        yield tarballs[0] if done is not None and done.returncode == 0 and tarballs else None
+
+
 def fetch_mermaid():
     """docs/_vendor/mermaid-VERSION.min.js, from the npm registry once. Returns the path or None."""
     if MERMAID_JS.is_file() and _sha256(MERMAID_JS) == MERMAID_SHA256:
         return MERMAID_JS
-    npm = shutil.which("npm")
-    if npm is None:
-        return None
-    VENDOR.mkdir(exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        done = subprocess.run([npm, "pack", f"mermaid@{MERMAID_VERSION}", "--silent", "--pack-destination", tmp],
-                              capture_output=True, text=True, timeout=300)
-        tarballs = list(Path(tmp).glob("mermaid-*.tgz"))
-        if done.returncode != 0 or not tarballs:
-            print(f"docs: npm pack mermaid@{MERMAID_VERSION} failed: {done.stderr.strip()[-500:]}", file=sys.stderr)
+    with _npm_pack("mermaid", MERMAID_VERSION) as tarball:
+        if tarball is None:
             return None
-        with tarfile.open(tarballs[0]) as tar:
-            member = tar.extractfile("package/dist/mermaid.min.js")
-            data = member.read()
+        with tarfile.open(tarball) as tar:
+            data = tar.extractfile("package/dist/mermaid.min.js").read()
     digest = hashlib.sha256(data).hexdigest()
     if digest != MERMAID_SHA256:
         raise SystemExit(f"docs: mermaid.min.js {MERMAID_VERSION} from npm has SHA-256 {digest}, "
                          f"expected {MERMAID_SHA256}")
+    VENDOR.mkdir(exist_ok=True)
     MERMAID_JS.write_bytes(data)
     return MERMAID_JS
 
@@ -64,32 +71,24 @@ def fetch_mathjax():
     """docs/_vendor/mathjax-VERSION/ (tex-chtml.js and its fonts), from the npm registry once, or None."""
     if (MATHJAX_DIR / "tex-chtml.js").is_file():
         return MATHJAX_DIR
-    npm = shutil.which("npm")
-    if npm is None:
-        return None
-    VENDOR.mkdir(exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        done = subprocess.run([npm, "pack", f"mathjax@{MATHJAX_VERSION}", "--silent", "--pack-destination", tmp],
-                              capture_output=True, text=True, timeout=300)
-        tarballs = list(Path(tmp).glob("mathjax-*.tgz"))
-        if done.returncode != 0 or not tarballs:
-            print(f"docs: npm pack mathjax@{MATHJAX_VERSION} failed: {done.stderr.strip()[-500:]}", file=sys.stderr)
+    with _npm_pack("mathjax", MATHJAX_VERSION) as tarball:
+        if tarball is None:
             return None
-        digest = _sha256(tarballs[0])
+        digest = _sha256(tarball)
         if digest != MATHJAX_SHA256:
             raise SystemExit(f"docs: mathjax {MATHJAX_VERSION} from npm has SHA-256 {digest}, "
                              f"expected {MATHJAX_SHA256}")
         partial = VENDOR / f"mathjax-{MATHJAX_VERSION}.partial"
         shutil.rmtree(partial, ignore_errors=True)
-        with tarfile.open(tarballs[0]) as tar:
+        with tarfile.open(tarball) as tar:
             for member in tar.getmembers():
                 name = member.name.removeprefix("package/es5/")
                 if member.isfile() and (name == "tex-chtml.js" or name.startswith("output/chtml/fonts/woff-v2/")):
                     target = partial / name
                     target.parent.mkdir(parents=True, exist_ok=True)
                     target.write_bytes(tar.extractfile(member).read())
-        shutil.rmtree(MATHJAX_DIR, ignore_errors=True)
-        partial.rename(MATHJAX_DIR)
+    shutil.rmtree(MATHJAX_DIR, ignore_errors=True)
+    partial.rename(MATHJAX_DIR)
     return MATHJAX_DIR
 
 
