@@ -21,8 +21,6 @@ run scripts/stamp_times.py, which writes the times into the headers, the instruc
 """
 import argparse
 import json
-import os
-import platform
 import sys
 import tempfile
 import time
@@ -108,20 +106,16 @@ def machine(browser_version):
     import jupyterlab
     import psutil
     import torch
-    cores = os.cpu_count()
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(x.split(":", 1)[1].strip() for x in f if x.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    from ddp_helpers import machine as machine_
+    from ddp_helpers.bench.timing import hardware_name
+    cores, gpus = machine_.cpu_count(), machine_.gpu_count()
     where = f"{gpus} GPU{'s' if gpus > 1 else ''}" if gpus else f"a {cores}-core CPU"
-    return {"short": where, "cores": cores, "gpus": gpus, "torch": torch.__version__.split("+")[0],
+    device = torch.device("cuda" if gpus else "cpu")
+    version = torch.__version__.split("+")[0]
+    return {"short": where, "cores": cores, "gpus": gpus, "torch": version,
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
-            "long": (f"{where} ({model}, {psutil.virtual_memory().total / 2**30:.0f} GiB; torch "
-                     f"{torch.__version__.split('+')[0]}, JupyterLab {jupyterlab.__version__}, "
-                     f"Chromium {browser_version})")}
+            "long": (f"{hardware_name(device)}, {psutil.virtual_memory().total / 2**30:.0f} GiB; torch {version}, "
+                     f"JupyterLab {jupyterlab.__version__}, Chromium {browser_version}")}
 
 
 def write_time(name, seconds, browser_version):
