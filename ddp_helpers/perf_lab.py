@@ -9,8 +9,8 @@ need but do not teach.
   05 and 07), so that the overlap of communication with backward shows on any CPU, loaded or not.
 Its pictures (buckets over a link, time to accuracy) are in `speed_plots`.
 
-The experiments themselves (the simulated link, the comm hooks, the compiled DDP model) are written
-in the notebook's cells.
+What the lessons teach (the overlap model and its check, the compressing comm hooks, the compiled DDP
+model) is written in the notebooks' cells; the simulated link here is the instrument they measure with.
 """
 from __future__ import annotations
 

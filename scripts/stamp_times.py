@@ -44,7 +44,7 @@ def stated_minutes(nb) -> int:
     head = "\n".join(c.source for c in nb.cells[:2])
     found = re.search(r"\*\*Time\*\*:?\*?\*? about (\d+) minutes", head)
     if not found:
-        raise SystemExit("a notebook's first cell has no '**Time**: about N minutes'")
+        raise ValueError("the first cell states no '**Time**: about N minutes'")
     return int(found.group(1))
 
 

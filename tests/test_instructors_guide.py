@@ -3,19 +3,22 @@ notebook taught whole gets at least the time the notebook states."""
 import glob
 import os
 import re
+import sys
 
 import nbformat
 import pytest
 
 from conftest import REPO
 
+sys.path.insert(0, os.path.join(REPO, "scripts"))
+import stamp_times  # noqa: E402
+
 GUIDE = open(os.path.join(REPO, "notebooks", "instructors.md"), encoding="utf-8").read()
 COURSE = sorted(os.path.basename(p) for p in glob.glob(os.path.join(REPO, "notebooks", "[0-9][0-9]_*.ipynb")))
 
 
 def stated_minutes(name):
-    head = nbformat.read(os.path.join(REPO, "notebooks", name), as_version=4).cells[0].source
-    return int(re.search(r"\*\*Time\*\*:?\*?\*? about (\d+) minutes", head).group(1))
+    return stamp_times.stated_minutes(nbformat.read(os.path.join(REPO, "notebooks", name), as_version=4))
 
 
 def section(title):

@@ -14,11 +14,15 @@ most four objectives, and its prose cites no C++ file or line number (those belo
 import glob
 import os
 import re
+import sys
 
 import nbformat
 import pytest
 
 from conftest import REPO
+
+sys.path.insert(0, os.path.join(REPO, "scripts"))
+from stamp_times import stated_minutes  # noqa: E402  (the one reader of a notebook's "**Time**" line)
 
 NOTEBOOKS = sorted(glob.glob(os.path.join(REPO, "notebooks", "[0-9A][0-9]_*.ipynb")))
 MAX_MINUTES = 90
@@ -31,13 +35,6 @@ def word_budget(minutes: int) -> int:
 
 def cell_budget(minutes: int) -> int:
     return int(32 + (minutes - 60) / 3)
-
-
-def stated_minutes(nb) -> int:
-    head = "\n".join(c.source for c in nb.cells[:2])
-    found = re.search(r"\*\*Time\*\*:?\*?\*? about (\d+) minutes", head)
-    assert found, "the first cell states **Time**: about N minutes"
-    return int(found.group(1))
 
 
 def summary_index(nb) -> int:
