@@ -18,6 +18,7 @@ class Exec:
     sent: dict[str, Any]           # the notebook variables the cell uses (cells.globals_to_send)
     filename: str                  # the cell's file name, for tracebacks
     only: list[int] | None = None  # `%%ddp --ranks`: the ranks it runs on, which may not meet the others
+    seed: int | None = None        # reseed the rank's random state first (random_state.reseed)
 
 
 @dataclasses.dataclass
@@ -26,6 +27,7 @@ class Call:
     fn: Callable
     args: tuple = ()
     kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    seed: int | None = None        # reseed the rank's random state first (random_state.reseed)
 
 
 @dataclasses.dataclass

@@ -61,6 +61,8 @@ class WorkerJob:
     env: dict                 # full environment for the workers (kernel env + torchrun variables)
     launcher_pid: int
     cell_sources: dict        # {filename: lines} of notebook cells, for readable tracebacks
+    seed: int | None = None   # None: each rank draws fresh entropy, as under torchrun; an int:
+                              # reproducible, rank-dependent seeds (random_state.reseed)
 
 
 def run_worker(local_rank, job):
