@@ -13,10 +13,13 @@ output is not gathered per rank; and two runs on one machine collide on the fixe
   function travels by value, each rank's output is printed in the cell as `[rank N] ...`, a rank's
   error raises `WorkerError` in the cell (with the rank's traceback), and the Interrupt button
   stops every rank. It returns None, as mp.spawn does.
-- `torch.multiprocessing.Process` objects are started together, as one group of ranks, when the
-  cell first joins one of them (or when the cell ends): rank i runs the i-th process started.
-  Code that talks to a child before it joins it (a Queue, a Pipe) needs the real class:
-  `multiprocessing.Process`, or `disable()`.
+- `torch.multiprocessing.Process`, for a tutorial's rank only: a Process whose target (or a function
+  in its args, or a function of the notebook they call) calls `init_process_group` or
+  `init_device_mesh`, or names MASTER_ADDR/MASTER_PORT, is one rank of a group started when the
+  cell first joins one of them (or when the cell ends): rank i runs the i-th such process started.
+  A Pipe, Queue, Lock or shared Value cannot reach such a rank: it is refused at `start()`. Every
+  other Process (a DataLoader's workers, a helper with a Queue) is multiprocessing's own, started
+  at `start()`: pid, is_alive, join(timeout), terminate and sentinel work as without the shim.
 - `torch.multiprocessing.set_start_method` does nothing: those ranks start from ddp_helpers' fork
   server whatever the method, and the kernel keeps its own (a re-run of the tutorial's cell
   raised "context has already been set").
@@ -79,6 +82,12 @@ def spawn_from_cell(fn, args=(), nprocs=1, join=True, daemon=False, start_method
     if not join:
         raise ValueError("mp.spawn(..., join=False) is not supported from a notebook: use join=True "
                          "(or ddp_helpers.tutorials.disable() for torch's own mp.spawn)")
+    unreachable = _cannot_reach_a_rank((fn, args))
+    if unreachable:
+        raise TypeError(f"mp.spawn runs {getattr(fn, '__qualname__', fn)!s} on ddp_helpers' ranks (started from a "
+                        f"fork server, in a network of their own), which {unreachable} cannot reach. "
+                        "Send data to a rank in args (it is copied) and back with a collective or the "
+                        "function's output, or use torch's own mp.spawn: ddp_helpers.tutorials.disable().")
     spawn(fn, args=args, nprocs=nprocs, init=False, timeout=SPAWN_TIMEOUT_S)
     return None
 
@@ -90,69 +99,204 @@ def set_start_method(method, force=False):
     return None
 
 
-class Process:
-    """What `mp.Process` is after `enable()`: a rank of a group started at the first join().
+_REAL_PROCESS = _ORIGINAL["Process"]   # multiprocessing's own class (torch.multiprocessing re-exports it)
 
-    Rank i runs the i-th Process started in the cell (its `run()`: `target(*args, **kwargs)`),
-    with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set as torchrun sets them.
+
+class _ProcessType(type):
+    def __instancecheck__(cls, obj):
+        # every process of multiprocessing's own class is an `mp.Process`, as it is without the shim
+        return type.__instancecheck__(cls, obj) or (cls is Process and isinstance(obj, _REAL_PROCESS))
+
+
+class Process(_REAL_PROCESS, metaclass=_ProcessType):
+    """What `mp.Process` is after `enable()`: multiprocessing's own Process, except for a tutorial's rank.
+
+    At `start()` it looks at what the process will run. If that forms a process group (the target, a
+    function given in its args, or a function of the same module they call, calls
+    `init_process_group` or `init_device_mesh`, or names MASTER_ADDR/MASTER_PORT), it is a rank:
+    rank i runs the i-th such Process started in the cell (its `run()`), with RANK, WORLD_SIZE,
+    MASTER_ADDR and MASTER_PORT set as torchrun sets them, all started together at the first join()
+    (or when the cell ends). Anything else (a DataLoader's workers, a helper process with a Queue or
+    a Pipe) starts at once as multiprocessing's own Process, and is one from then on.
     """
 
-    def __init__(self, group=None, target=None, name=None, args=(), kwargs=None, *, daemon=None):
-        self._target, self._args, self._kwargs = target, tuple(args), dict(kwargs or {})
-        self.name = name or f"Process-{next(_counter)}"
-        self.daemon = daemon
-        self.exitcode = None
-        self._state = "new"          # new, started (waiting for the group), done
-        self._error = None
-
-    def run(self):
-        if self._target is not None:
-            self._target(*self._args, **self._kwargs)
+    _group_state = None   # None: an ordinary process; "started" (waiting for its group) or "done": a rank
+    _group_exitcode = None
+    _error = None
 
     def start(self):
-        if self._state != "new":
+        if self._group_state is not None or self._popen is not None:
             raise AssertionError("cannot start a process twice")
-        self._state = "started"
+        forms_group = type(self).run is not _REAL_PROCESS.run or self._target is not None
+        if not (forms_group and _forms_a_group(self)):
+            if type(self) is Process:
+                self.__class__ = _REAL_PROCESS   # torch's own from here on, in this process and the child
+            return _REAL_PROCESS.start(self)
+        unreachable = _cannot_reach_a_rank((self._target, self._args, self._kwargs))
+        if unreachable:
+            for process in _waiting:   # the cell's group cannot run without this rank
+                process._group_state, process._group_exitcode = "done", None
+            _waiting.clear()
+            raise TypeError(
+                f"{self._describe()} forms a process group, so it runs as one of ddp_helpers' ranks "
+                f"(started from a fork server, in a network of their own), which {unreachable} cannot "
+                "reach. Send data to a rank in args (it is copied) and back with a collective or the "
+                "function's output, or start torch's own Process with ddp_helpers.tutorials.disable().")
+        self._group_state = "started"
         _waiting.append(self)
+        return None
 
     def join(self, timeout=None):
-        """Run the group this process belongs to (if it has not run yet) and wait for it. If a rank
-        failed, the first join() raises its WorkerError."""
-        if self._state == "new":
-            raise AssertionError("can only join a started process")
+        """For a rank: run the group this process belongs to (if it has not run yet) and wait for it,
+        whatever the timeout. If a rank failed, the first join() raises its WorkerError."""
+        if self._group_state is None:
+            return _REAL_PROCESS.join(self, timeout)
         _run_waiting()
         error, self._error = self._error, None
         if error is not None:
             raise error
+        return None
 
     def is_alive(self):
-        return False if self._state != "started" else True
+        if self._group_state is None:
+            return _REAL_PROCESS.is_alive(self)
+        return self._group_state == "started"
+
+    @property
+    def exitcode(self):
+        if self._group_state is None:
+            return _REAL_PROCESS.exitcode.fget(self)
+        return self._group_exitcode
 
     def terminate(self):
+        if self._group_state is None:
+            return _REAL_PROCESS.terminate(self)
         if self in _waiting:
             _waiting.remove(self)
-            self._state, self.exitcode = "done", -15
+            self._group_state, self._group_exitcode = "done", -15
+        return None
 
-    kill = terminate
+    def kill(self):
+        if self._group_state is None:
+            return _REAL_PROCESS.kill(self)
+        return self.terminate()
 
     def close(self):
-        pass
+        if self._group_state is None:
+            return _REAL_PROCESS.close(self)
+        return None
+
+    def _describe(self):
+        name = getattr(self._target, "__qualname__", None) or type(self).__name__ + ".run"
+        return f"mp.Process(target={name}, ...)"
 
     def __repr__(self):
-        return f"<Process name={self.name!r} {self._state} exitcode={self.exitcode}>"
+        if self._group_state is None:
+            return _REAL_PROCESS.__repr__(self)
+        return f"<Process name={self.name!r} rank {self._group_state} exitcode={self._group_exitcode}>"
 
-    def __getstate__(self):   # what travels to the rank
-        return {k: v for k, v in self.__dict__.items() if k != "_error"}
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        if self._group_state is not None:   # a rank, on its way to ddp_helpers' worker: no authkey
+            state.pop("_error", None)
+            state["_config"] = {k: v for k, v in state.get("_config", {}).items() if k != "authkey"}
+            state["_popen"] = None
+        return state
 
 
-def _counter_from_one():
-    n = 0
-    while True:
-        n += 1
-        yield n
+# What makes a process a tutorial's rank: the names it calls, or the environment variables it names.
+GROUP_NAMES = frozenset({"init_process_group", "init_device_mesh"})
+GROUP_STRINGS = frozenset({"MASTER_ADDR", "MASTER_PORT"})
+_LIBRARIES = ("torch.", "multiprocessing.", "concurrent.")   # their functions are never a tutorial's rank
 
 
-_counter = _counter_from_one()
+def _forms_a_group(process):
+    """Will this process form a process group? Looks at the code of its target (or its own run()),
+    of the functions in its args, and of the functions of the same module that they call."""
+    if process._target is None:
+        roots = [type(process).run]
+    else:
+        roots = [process._target, *process._args, *process._kwargs.values()]
+    seen = set()
+    return any(_calls_group(root, seen, depth=4) for root in roots)
+
+
+def _calls_group(fn, seen, depth):
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    fn = getattr(fn, "__func__", fn)   # a bound method
+    code = getattr(fn, "__code__", None)
+    if code is None or id(code) in seen or depth < 0:
+        return False
+    if (getattr(fn, "__module__", None) or "").startswith(_LIBRARIES):
+        return False
+    seen.add(id(code))
+    names = set()
+    stack = [code]
+    while stack:   # the function and the functions, lambdas and comprehensions defined inside it
+        c = stack.pop()
+        names.update(c.co_names)
+        for const in c.co_consts:
+            if isinstance(const, type(code)):
+                stack.append(const)
+            elif isinstance(const, str) and const in GROUP_STRINGS:
+                return True
+    if names & GROUP_NAMES:
+        return True
+    module_globals = getattr(fn, "__globals__", {})
+    return any(_calls_group(module_globals[name], seen, depth - 1)
+               for name in names if inspect.isfunction(module_globals.get(name))
+               and module_globals[name].__globals__ is module_globals)
+
+
+def _cannot_reach_a_rank(value):
+    """'a Pipe end', 'a Queue', ... for what `value` would send to a rank (in it, or in the closures and
+    globals of its functions, as cloudpickle sends them) that only works between a parent and its
+    own child: None if nothing. (cloudpickle would send a Pipe end as its bare file descriptor.)"""
+    import cloudpickle
+
+    class Found(Exception):
+        pass
+
+    class Finder(cloudpickle.CloudPickler):
+        def reducer_override(self, obj):
+            words = _parent_child_only(obj)
+            if words:
+                raise Found(words)
+            return super().reducer_override(obj)
+
+    class Discard:
+        def write(self, data):
+            return len(data)
+
+    try:
+        Finder(Discard()).dump(value)
+    except Found as found:
+        return found.args[0]
+    except Exception:
+        return None   # launch's own check names what cannot be pickled
+    return None
+
+
+def _parent_child_only(obj):
+    import multiprocessing.connection
+    import multiprocessing.managers
+    import multiprocessing.queues
+    import multiprocessing.sharedctypes
+    import multiprocessing.synchronize
+    kinds = ((multiprocessing.connection.Connection, "a Pipe end"),
+             ((multiprocessing.queues.Queue, multiprocessing.queues.SimpleQueue), "a Queue"),
+             ((multiprocessing.synchronize.SemLock, multiprocessing.synchronize.Condition,
+               multiprocessing.synchronize.Event, multiprocessing.synchronize.Barrier),
+              "a Lock, Event or other multiprocessing primitive"),
+             (multiprocessing.sharedctypes.SynchronizedBase, "a shared Value or Array"),
+             (multiprocessing.managers.BaseProxy, "a Manager's object"))
+    for kind, words in kinds:
+        if isinstance(obj, kind):
+            return words
+    return None
+
+
 _waiting = []   # Process objects started and not yet run
 
 
@@ -168,16 +312,16 @@ def _run_waiting():
     except WorkerError as exc:
         failures = getattr(exc, "failures", {}) or {}
         for rank, process in enumerate(group):
-            process._state = "done"
-            process.exitcode = 1 if rank in failures or rank == exc.rank else 0
+            process._group_state = "done"
+            process._group_exitcode = 1 if rank in failures or rank == exc.rank else 0
         group[0]._error = exc   # the first join() raises it
         return
     except BaseException:
         for process in group:
-            process._state, process.exitcode = "done", 1
+            process._group_state, process._group_exitcode = "done", 1
         raise
     for process in group:
-        process._state, process.exitcode = "done", 0
+        process._group_state, process._group_exitcode = "done", 0
 
 
 def _run_process(group):

@@ -177,9 +177,11 @@ def test_tutorial_launch_lines_run_notebook_functions_in_a_kernel():
         P2P_TUTORIAL,   # a re-run: "context has already been set" before
         DDP_TUTORIAL,
         failing + "mp.spawn(broken, args=(2,), nprocs=2)",
-        failing + "ps = [mp.Process(target=broken, args=(r, 2)) for r in range(2)]\n"
+        failing + "ps = [mp.Process(target=init_process, args=(r, 2, broken)) for r in range(2)]\n"
                   "for p in ps: p.start()\nfor p in ps: p.join()",
         "%%ddp -n 2\nsetup(rank, world_size)\nt = torch.ones(1)\ndist.all_reduce(t)\ncleanup()\nt",
+        "a, b = mp.Pipe()\np = mp.Process(target=init_process, args=(0, 1, lambda rank, size: b.send(rank)))\n"
+        "p.start()",
         "from ddp_helpers import tutorials\ntutorials.disable()\n"
         "import torch.multiprocessing as mp\nprint(mp.spawn.__module__, mp.Process.__module__)",
     ]
@@ -199,4 +201,44 @@ def test_tutorial_launch_lines_run_notebook_functions_in_a_kernel():
         assert "raise RuntimeError('broken on rank one')" in text_of(out[i]), "the cell's line"
     text = text_of(out[6])
     assert "[rank 0] tensor([2.])" in text and "kept the gloo group of 2 ranks" in text, text
-    assert "torch.multiprocessing.spawn multiprocessing.context" in text_of(out[7])
+    # before: the Pipe end passed, and arrived in the rank as a bare file descriptor
+    errors = [o for o in out[7].outputs if o.output_type == "error"]
+    assert errors and errors[0].ename == "TypeError", text_of(out[7])
+    assert "forms a process group, so it runs as one of ddp_helpers' ranks" in errors[0].evalue
+    assert "a Pipe end cannot reach" in errors[0].evalue, errors[0].evalue
+    assert "torch.multiprocessing.spawn multiprocessing.context" in text_of(out[8])
+
+
+EVERYDAY_MULTIPROCESSING = [
+    "%load_ext ddp_helpers",
+    "import multiprocessing, time, torch\nimport torch.multiprocessing as mp\n"
+    "from torch.utils.data import DataLoader, TensorDataset\n"
+    "print('sum', sum(b[0].sum().item() for b in DataLoader(TensorDataset(torch.arange(64.)), batch_size=8, "
+    "num_workers=2)))",
+    "def nap(s):\n    time.sleep(s)\n"
+    "p = mp.Process(target=nap, args=(0.2,))\np.start()\n"
+    "print('real', isinstance(p, multiprocessing.Process), isinstance(p, mp.Process), p.pid > 0, p.sentinel >= 0)\n"
+    "end = time.monotonic() + 60\nwhile p.is_alive() and time.monotonic() < end:\n    time.sleep(0.05)\n"
+    "print('ended', p.is_alive(), p.exitcode)",
+    "p = mp.Process(target=nap, args=(30,))\np.start()\nt = time.monotonic()\np.join(timeout=2)\n"
+    "waited = time.monotonic() - t\nprint('after join(timeout=2)', p.is_alive(), 2 <= waited < 15)\n"
+    "p.terminate()\np.join(timeout=20)\nprint('terminated', p.exitcode)",
+    "def echo(conn, q):\n    q.put(conn.recv() * 2)\n    conn.send('done')\n"
+    "a, b = mp.Pipe()\nq = mp.Queue()\np = mp.Process(target=echo, args=(b, q))\np.start()\na.send(21)\n"
+    "print('queue', q.get(timeout=30), 'pipe', a.recv())\np.join()\nprint('exitcode', p.exitcode)",
+]
+
+
+def test_everyday_multiprocessing_in_the_kernel_is_torchs_own():
+    # before: DataLoader raised "'Process' object has no attribute 'pid'"; is_alive() stayed True until
+    # join(); join(timeout=2) waited for the whole target; terminate() did nothing; a Pipe end arrived
+    # in a rank as a bare fd number
+    out = run_notebook(EVERYDAY_MULTIPROCESSING, timeout=seconds(60))
+    for cell in out:
+        assert not [o for o in cell.outputs if o.output_type == "error"], text_of(cell)
+        assert "Traceback" not in text_of(cell), text_of(cell)
+    assert "sum 2016.0" in text_of(out[1]), text_of(out[1])
+    assert "real True True True True" in text_of(out[2]) and "ended False 0" in text_of(out[2]), text_of(out[2])
+    assert "after join(timeout=2) True True" in text_of(out[3]), text_of(out[3])
+    assert "terminated -15" in text_of(out[3]), text_of(out[3])
+    assert "queue 42 pipe done" in text_of(out[4]) and "exitcode 0" in text_of(out[4]), text_of(out[4])
