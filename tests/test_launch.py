@@ -470,7 +470,7 @@ def test_env_read_by_torch_at_import_still_applies_in_workers():
 def test_launches_back_to_back_never_fail_to_connect_and_leave_no_port_or_process():
     # Gloo connects every pair of ranks inside init_process_group; a rank with nothing to do used to
     # finish and exit while its peer was still connecting ("connectFullMesh failed ... Connection
-    # closed by peer"): 7 launches in 300 here. The worker now waits at a barrier after init.
+    # closed by peer"): 7 launches in 300 here. The worker now waits for every rank after init.
     # With that rate, 100 launches would have failed at least once 9 times in 10.
     # The same launches, back to back, must leave no rendezvous port open and no process behind.
     results = [launch(lambda: (1, int(os.environ["MASTER_PORT"])), 2, quiet=True) for _ in range(100)]

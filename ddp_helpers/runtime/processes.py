@@ -1,5 +1,9 @@
 """Processes by PID: whether one is alive, and ending a group with everything it started.
 
+A rank adopts the orphans of its family (`adopt_orphans`): a process that its code started, and that
+left a child behind when it exited (a daemon's double fork, with `setsid`), would otherwise hand that
+child to init, out of every tree followed here.
+
 Three places end process trees: the supervisor (the ranks, and what they started), a rank at its
 end (what its function started and left running), and `torchrun.run_nodes` (the agents and their
 workers, which torchrun starts in sessions of their own, so no process group reaches them). They
@@ -9,7 +13,10 @@ PID used again by a new process is never signalled.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import signal
+import sys
 import time
 from collections.abc import Callable, Iterable
 
@@ -94,3 +101,22 @@ def end_children(grace_s: float = 1.0) -> None:
     except psutil.Error:
         return
     end_all(family, grace_s)
+
+
+PR_SET_CHILD_SUBREAPER = 36   # linux/prctl.h
+
+
+def adopt_orphans() -> bool:
+    """Make this process the "child subreaper" of its descendants (Linux, prctl(2)): one whose
+    parent exits is re-parented to this process instead of to init, and so stays among this
+    process's children, where `end_children` finds it (even after `setsid`, which leaves the
+    session and process group but not the tree). Returns whether it took effect (Linux 3.4 and
+    later); elsewhere nothing changes. Descendants that exit after being adopted stay zombies
+    until this process waits for them or ends."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False

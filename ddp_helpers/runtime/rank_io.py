@@ -44,6 +44,9 @@ def setup():
     builtins.input = _no_input
     import IPython.display
     IPython.core.display_functions.display = IPython.display.display = display
+    # A kernel has `display` among its builtins (IPython puts it there): a function written in a
+    # notebook cell calls it without importing it, and cloudpickle does not send builtins along.
+    builtins.display = display
 
 
 def _no_input(prompt=""):

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from . import rank_io
 from .cells import dumps
+from .random_state import reseed
 from .protocol import Call, Exec, Pull, Push, Reply, Request, Stop
 from .worker import (describe_exception, end_worker, exec_cell, init_process_group, rank_namespace,
                      setup_worker_process, threads_left_running, to_cpu)
@@ -62,6 +63,8 @@ def serve(local_rank, job, connections):
             break
         signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
+            if getattr(request, "seed", None) is not None:   # a seeded cell or call: the same draws each time
+                reseed(local_rank, request.seed)
             reply = Reply(value=dumps(to_cpu(state.handle(request))))
         except BaseException as exc:
             reply = Reply(error=describe_exception(exc))

@@ -5,7 +5,8 @@
 
 1. sends this process's stdout and stderr (file descriptors 1 and 2, so C++
    output from Gloo/NCCL too) into a pipe that the launcher reads line by line;
-2. sets the environment torchrun would set (RANK, WORLD_SIZE, MASTER_PORT, ...);
+2. sets the environment torchrun would set (RANK, WORLD_SIZE, MASTER_PORT, ...), and gives
+   the process a random state of its own (`random_state.reseed`), as a fresh process has;
 3. starts a watchdog that ends this worker if the launching process dies;
 4. optionally calls `init_process_group`, runs the user's function, and
    calls `destroy_process_group`;
@@ -14,7 +15,8 @@
    that returns while threads it started still run (not daemon threads: Python
    waits for those before the process may exit) is an error that names them
    (ThreadsLeftRunning), THREADS_GRACE_S later, rather than a rank that never ends;
-6. ends any process the function started and left running.
+6. ends any process the function started and left running (the rank adopts the orphans of its
+   family, so a daemon that double-forked and left its session is among them).
 
 A warm pool's workers run `serve.serve` instead, which shares steps 1-3 and 6.
 """
@@ -42,7 +44,8 @@ import torch.distributed as dist
 from .. import tutorials
 from ..files import atomic_write
 from . import PACKAGE_DIR, rank_io
-from .processes import alive, end_children
+from .processes import adopt_orphans, alive, end_children
+from .random_state import reseed
 from .run_dirs import rank_file
 
 
@@ -156,6 +159,9 @@ def end_worker():
 def setup_worker_process(local_rank, job):
     """Steps 1-3 above, for `launch` and for the warm `Pool` alike. Returns the rank."""
     rank = local_rank  # one machine: global rank == local rank
+    # A process this rank's code starts, and what that one starts, stay in this rank's family even
+    # when the middle one exits (a daemon's double fork, `setsid`): end_children finds them.
+    adopt_orphans()
     _redirect_output(rank_file(job.run_dir, rank, "stdout"), rank_file(job.run_dir, rank, "stderr"))
     os.environ.clear()
     os.environ.update(job.env)
@@ -173,6 +179,9 @@ def setup_worker_process(local_rank, job):
     torch.set_num_threads(omp_threads(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.set_debug_level_from_env()
     linecache.cache.update(job.cell_sources)
+    # Forked from the same server, every rank would draw the server's numbers: a state of its own,
+    # as a process torchrun starts has (fresh entropy), or seed + rank when a seed is asked for.
+    reseed(rank, job.seed)
     rank_io.setup()   # figures and display() reach the notebook; input() says there is no stdin
     tutorials.install_in_rank(rank_file(job.run_dir, rank, "rendezvous"))
     return rank
@@ -258,10 +267,23 @@ def init_process_group(backend, local_rank, timeout_s):
         torch.cuda.set_device(local_rank)  # before init, so NCCL binds this rank to its own GPU
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     if backend == "gloo":
-        # Gloo connects every pair of ranks inside init. Without this barrier a rank with nothing
+        # Gloo connects every pair of ranks inside init. Without this wait a rank with nothing
         # to do could finish and exit while a peer was still connecting to it ("connectFullMesh
         # failed ... Connection closed by peer", a few launches in a hundred).
-        dist.barrier()
+        wait_for_every_rank(timeout_s)
+
+
+STARTED_KEY = "ddp_helpers/started"   # in the default group's store (a prefix of its own)
+
+
+def wait_for_every_rank(timeout_s):
+    """Return once every rank's init_process_group has returned. It waits on the rendezvous store,
+    not with a collective: a barrier here would be the first entry of the learner's Flight Recorder
+    (`gloo:barrier`, a collective they never called) and shift their collectives' sequence numbers."""
+    store = dist.distributed_c10d._get_default_store()
+    if store.add(STARTED_KEY, 1) == dist.get_world_size():
+        store.set(STARTED_KEY + "/all", "1")
+    store.wait([STARTED_KEY + "/all"], timedelta(seconds=timeout_s))
 
 
 def describe_exception(exc):
