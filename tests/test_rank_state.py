@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import seconds
+from conftest import needs_gpu, seconds
 from ddp_helpers import launcher
 from ddp_helpers.launcher import launch
 from ddp_helpers.pool import Pool
@@ -65,8 +65,29 @@ def test_a_pools_ranks_draw_different_numbers_and_keep_drawing(pool):
     assert differ(cell[0], cell[1])
 
 
-def test_a_rank_does_not_start_cuda_to_seed_it():
-    assert launch(lambda: (torch.rand(1), torch.cuda.is_initialized())[1], 1) == [False]
+def cuda_seeding():
+    """Whether CUDA has started in this rank, and the GPU seeds queued for when it starts
+    (torch.cuda's private queue; None where this torch has none)."""
+    tracker = getattr(torch.cuda, "_lazy_seed_tracker", None)
+    queued = None if tracker is None else [call for call in tracker.get_calls() if call]
+    return torch.cuda.is_initialized(), None if queued is None else len(queued)
+
+
+def test_a_rank_seeds_its_gpus_without_starting_cuda():
+    [(started, queued)] = launch(cuda_seeding, 1)
+    assert not started, "seeding the rank started CUDA"
+    assert queued is None or queued >= 1, "no seed is waiting for the GPUs"
+
+
+def cuda_seeds():
+    return [torch.cuda.default_generators[d].initial_seed() for d in range(torch.cuda.device_count())]
+
+
+@needs_gpu
+def test_a_ranks_gpus_get_its_seed():
+    fresh = launch(cuda_seeds, 2)
+    assert fresh[0][0] != fresh[1][0]
+    assert seeded_launch(cuda_seeds, 2, seed=5) == [[5] * torch.cuda.device_count(), [6] * torch.cuda.device_count()]
 
 
 def test_reseed_with_a_seed_repeats_and_depends_on_the_rank():
