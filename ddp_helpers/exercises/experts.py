@@ -1,0 +1,362 @@
+"""Notebook 13's exercise and its byte counter: the dispatch and combine of expert parallelism.
+
+`check_dispatch_combine(dispatch, combine)`: the learner writes the two all-to-alls of a mixture-of-
+experts layer split over ranks (rank r holds experts r*m ... r*m+m-1, m = n_experts / world_size):
+
+    received, state = dispatch(x, expert, n_experts)   # x (T, d) this rank's tokens; expert (T, k) the
+                                                       # experts each token chose, -1 where dropped
+    out = combine(y, weight, state)                    # y: the experts' output for each received row;
+                                                       # weight (T, k): the router's weights
+
+The checker routes random tokens itself (top-k with a capacity, so some choices are dropped), runs both
+functions on real Gloo ranks with its own experts between them, and checks, in this order: what each
+rank's dispatch called (the counts first, then ONE all_to_all_single of rows; an all-gather of the tokens
+gives the right numbers and is named for its traffic), the split sizes of that all-to-all, the rows each
+rank received (by source rank, then expert, in token order: the row that went wrong is named by its rank
+and token), the combine's one all-to-all with the splits swapped, and each token's output against one
+process (a combine without the router's weights, or one that returns a dropped token itself, is named).
+
+`CollectiveLog`, used inside a rank, notes every c10d collective below torch.distributed's Python
+functions (however it was reached): its name, group size, the bytes handed in and, for an all-to-all,
+the split sizes and the bytes sent to other ranks. Notebook 13 counts its traffic with it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from . import runner
+from .spies import DispatchSpy, collective_name
+from .verdict import Verdict
+
+__all__ = ["check_dispatch_combine", "CollectiveLog", "Call", "route", "CASES"]
+
+# (world_size, tokens per rank, width, experts, k, capacity factor): every case drops some choices
+CASES = [(2, 6, 4, 4, 2, 1.0), (4, 5, 3, 8, 2, 1.0), (2, 7, 4, 2, 1, 1.0)]
+
+
+# ---- counting: every collective a rank runs ----------------------------------------------------
+
+@dataclass
+class Call:
+    """One collective as this rank ran it."""
+    op: str                       # "all_to_all", "all_reduce", "all_gather", ...
+    group: int                    # ranks in its group
+    nbytes: int                   # bytes this rank handed in
+    shape: tuple = ()             # of the (first) tensor handed in
+    dtype: str = ""
+    in_splits: list | None = None     # all-to-all: rows to each rank of the group
+    out_splits: list | None = None    # all-to-all: rows from each rank of the group
+    to_others: int = 0            # all-to-all: bytes for the other ranks; all-gather: nbytes x (group - 1)
+
+
+class CollectiveLog(DispatchSpy):
+    """Inside a rank: `with CollectiveLog() as log:` notes each c10d collective in `log.calls`, as
+    plain dicts (the fields of `Call`), so they can be returned from a rank as they are."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[dict] = []
+
+    def see(self, func, args) -> None:
+        schema = func._schema.name
+        if not schema.startswith("c10d::"):
+            return
+        op = collective_name(schema)
+        names = [a.name for a in func._schema.arguments]
+        group = dist.ProcessGroup.unbox(args[names.index("process_group")]) if "process_group" in names else None
+        size = group.size() if group is not None else dist.get_world_size()
+        given = args[1] if op.startswith(("all_gather", "reduce_scatter", "alltoall")) else args[0]
+        tensors = [t for t in (given if isinstance(given, (list, tuple)) else [given]) if isinstance(t, torch.Tensor)]
+        first = tensors[0] if tensors else torch.empty(0)
+        call = Call("all_to_all" if op.startswith("alltoall") else op, size,
+                    sum(t.numel() * t.element_size() for t in tensors), tuple(first.shape), str(first.dtype))
+        if schema == "c10d::alltoall_base_":
+            rows = first.shape[0] if first.dim() else 0
+            row_bytes = math.prod(first.shape[1:]) * first.element_size()
+            call.in_splits = [int(n) for n in args[4]] or [rows // size] * size
+            call.out_splits = [int(n) for n in args[3]] or [args[0].shape[0] // size] * size
+            me = group.rank() if group is not None else dist.get_rank()
+            call.to_others = (sum(call.in_splits) - call.in_splits[me]) * row_bytes
+        elif op.startswith("all_gather"):
+            call.to_others = call.nbytes * (size - 1)
+        self.calls.append(dataclasses.asdict(call))
+
+    def sent(self, op: str | None = None) -> int:
+        """Bytes this rank's all-to-alls and all-gathers sent to other ranks (or those of `op` only)."""
+        return sum(c["to_others"] for c in self.calls if op is None or c["op"] == op)
+
+
+# ---- the checker's own layer: routing and experts ----------------------------------------------
+
+def route(x: torch.Tensor, router: torch.Tensor, k: int, capacity_factor: float | None):
+    """Notebook 13's router: softmax, top-k, then each expert takes its first `capacity` choices (first
+    choices first, in token order); the others are dropped (-1). Returns (expert, weight)."""
+    probs = (x @ router.T).softmax(dim=-1)
+    weight, expert = probs.topk(k, dim=-1)
+    if capacity_factor is not None:
+        n_experts = router.shape[0]
+        capacity = math.ceil(capacity_factor * x.shape[0] * k / n_experts)
+        queue = torch.nn.functional.one_hot(expert, n_experts).transpose(0, 1).reshape(-1, n_experts)
+        place = (queue.cumsum(0) * queue).sum(-1).reshape(k, -1).T - 1
+        expert = expert.masked_fill(place >= capacity, -1)
+    return expert, weight
+
+
+def _case_data(case, seed):
+    """Every rank's tokens, routing and the checker's experts, from one seed: the same in every process."""
+    world_size, tokens, width, n_experts, k, capacity_factor = case
+    g = torch.Generator().manual_seed(seed)
+    router = torch.randn(n_experts, width, generator=g)
+    mats = torch.randn(n_experts, width, width, generator=g)
+    ranks = []
+    for _ in range(world_size):
+        x = torch.randn(tokens, width, generator=g)
+        expert, weight = route(x, router, k, capacity_factor)
+        ranks.append((x, expert, weight))
+    return ranks, mats
+
+
+def _apply_expert(mats, e, rows):
+    return torch.tanh(rows @ mats[e]) + 0.1 * (e + 1)
+
+
+def _expected(case, seed):
+    """Per rank: the rows it must receive with (source rank, token, expert) for each, the counts from
+    each source for each of its experts, its splits, the experts' output on its rows, and the one-process
+    output of its tokens."""
+    world_size, tokens, width, n_experts, k, _ = case
+    ranks, mats = _case_data(case, seed)
+    m = n_experts // world_size
+    per_rank = []
+    for r in range(world_size):
+        labels, rows, counts = [], [], torch.zeros(world_size, m, dtype=torch.long)
+        for s, (x, expert, _) in enumerate(ranks):
+            for e in range(r * m, r * m + m):
+                for t in range(tokens):
+                    for _ in range(int((expert[t] == e).sum())):
+                        labels.append((s, t, e))
+                        rows.append(x[t])
+                        counts[s, e - r * m] += 1
+        received = torch.stack(rows) if rows else torch.empty(0, width)
+        y = torch.cat([_apply_expert(mats, e, received[i:i + 1]) for i, (_, _, e) in enumerate(labels)]) \
+            if labels else torch.empty(0, width)
+        x, expert, weight = ranks[r]
+        out = torch.zeros(tokens, width)
+        for t in range(tokens):
+            for j in range(k):
+                if expert[t, j] >= 0:
+                    out[t] += weight[t, j] * _apply_expert(mats, int(expert[t, j]), x[t:t + 1])[0]
+        kept = expert[expert >= 0]
+        in_splits = [int(((kept >= q * m) & (kept < q * m + m)).sum()) for q in range(world_size)]
+        per_rank.append(dict(labels=labels, received=received, y=y, out=out, in_splits=in_splits,
+                             out_splits=counts.sum(1).tolist(), x=x, expert=expert, weight=weight, mats=mats))
+    return per_rank
+
+
+def _plain(value):
+    """A learner's tensor as a plain, detached copy (a subclass's own methods never run in the kernel)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().as_subclass(torch.Tensor).clone()
+    return None
+
+
+def _in_rank(dispatch, combine, case, seed, rows, ys):
+    """Inside a rank: dispatch, the checker's experts (where the rows are right), combine."""
+    rank = dist.get_rank()
+    ranks, _ = _case_data(case, seed)
+    x, expert, weight = ranks[rank]
+    result = {"error": None, "stage": "dispatch", "received": None, "out": None}
+    with CollectiveLog() as log:
+        try:
+            got = dispatch(x.clone(), expert.clone(), case[3])
+        except NotImplementedError:
+            raise
+        except Exception as err:
+            result["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+    result["dispatch_calls"] = log.calls
+    if result["error"]:
+        return result
+    if not (isinstance(got, (tuple, list)) and len(got) == 2):
+        result["error"] = f"returned {type(got).__name__}, expected (received, state)"
+        return result
+    received, state = got
+    result["received"] = _plain(received)
+    ok = torch.tensor([int(result["received"] is not None and tuple(received.shape) == tuple(ys[rank].shape)
+                           and torch.equal(result["received"], rows[rank]))])
+    try:
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)      # combine only where every rank's rows are right
+    except Exception:
+        return result
+    if not ok.item():
+        return result
+    result["stage"] = "combine"
+    with CollectiveLog() as log:
+        try:
+            out = combine(ys[rank].clone(), weight.clone(), state)
+        except NotImplementedError:
+            raise
+        except Exception as err:
+            result["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
+            out = None
+    result["combine_calls"], result["out"] = log.calls, _plain(out)
+    return result
+
+
+# ---- what went wrong, in words -----------------------------------------------------------------
+
+def _who(labels, received, want, ranks, i) -> str:
+    """Row i of a rank's received rows: which token it is, and which it should have been."""
+    s, t, e = labels[i] if i < len(labels) else (None, None, None)
+    row = received[i]
+    found = [(q, u) for q, (x, _, _) in enumerate(ranks) for u in range(len(x)) if torch.equal(x[u], row)]
+    should = f"token {t} of rank {s} (for expert {e})" if s is not None else "nothing (no more rows)"
+    if not found:
+        return f"row {i} is no token of any rank; expected {should}"
+    q, u = found[0]
+    chose = [int(c) for c in ranks[q][1][u] if c >= 0]
+    return f"row {i} is token {u} of rank {q} (kept experts {chose}); expected {should}"
+
+
+def _dispatch_problem(r, res, want, case, ranks):
+    world_size, tokens, width, n_experts, k, _ = case
+    calls = res["dispatch_calls"]
+    rows = [c for c in calls if c['op'] == "all_to_all" and len(c['shape']) == 2 and "float" in c['dtype']]
+    floats = [c for c in calls if len(c['shape']) == 2 and "float" in c['dtype'] and c['op'] != "all_to_all"]
+    wanted = sum(want['in_splits']) - want['in_splits'][r]
+    if floats:
+        c = floats[0]
+        return (f"dispatch called {c['op']} on a ({', '.join(map(str, c['shape']))}) tensor of rows: every rank gets "
+                f"every token (right numbers, wrong traffic: {c['to_others'] or c['nbytes']} bytes to other ranks). "
+                f"Send each kept choice's row only to its expert's rank, with one all_to_all_single: "
+                f"{wanted * width * 4} bytes")
+    if rows:
+        problem = _split_problem(rows[0], want, world_size)
+        if problem:
+            return problem + ("; the all-to-all failed on it" if res["error"] else "")
+    if res["error"]:
+        return f"dispatch raised {res['error']}"
+    if not rows:
+        return "dispatch made no all_to_all_single of rows (a 2-D tensor of tokens): that is how rows travel"
+    if len(rows) > 1:
+        return f"dispatch made {len(rows)} all_to_all_single calls of rows: one carries every row"
+    if not any(len(c['shape']) == 1 for c in calls[:calls.index(rows[0])]):
+        return ("dispatch sent rows without exchanging the counts first: a rank cannot know its "
+                "output_split_sizes (how many rows each rank sends it) without them")
+    got = res["received"]
+    if got is None:
+        return "dispatch returned no tensor of received rows"
+    if tuple(got.shape) != tuple(want["received"].shape):
+        return f"received rows of shape {tuple(got.shape)}; expected {tuple(want['received'].shape)}"
+    for i in range(len(got)):
+        if not torch.equal(got[i], want["received"][i]):
+            return (f"{_who(want['labels'], got, want, ranks, i)}: the rows arrive grouped by source rank, "
+                    f"then by expert, in token order; each rank sends the rows of split j to rank j, so "
+                    f"its rows must be sorted by expert to match its splits")
+    return None
+
+
+def _split_problem(c, want, world_size):
+    if c['in_splits'] != want["in_splits"]:
+        hint = " (split j is the number of rows for rank j, in rank order)" \
+            if sorted(c['in_splits']) == sorted(want["in_splits"]) else \
+            " (count only the kept choices: expert -1 was dropped and is not sent)" \
+            if sum(c['in_splits']) > sum(want["in_splits"]) else ""
+        return (f"the all_to_all_single of rows had input_split_sizes {c['in_splits']}: this rank keeps "
+                f"{want['in_splits']} rows for ranks 0..{world_size - 1}'s experts{hint}")
+    if c['out_splits'] != want["out_splits"]:
+        return (f"the all_to_all_single of rows had output_split_sizes {c['out_splits']}: ranks 0..{world_size - 1} "
+                f"send this rank {want['out_splits']} rows (the counts exchanged first say so)")
+    return None
+
+
+def _combine_problem(r, res, want, case):
+    world_size, tokens, width, n_experts, k, _ = case
+    if res["error"]:
+        return f"combine raised {res['error']}"
+    calls = [c for c in res["combine_calls"] if len(c['shape']) == 2 or c['op'] != "all_to_all"]
+    a2a = [c for c in calls if c['op'] == "all_to_all"]
+    others = [c for c in calls if c['op'] != "all_to_all"]
+    if others:
+        return (f"combine called {others[0]['op']}: the experts' outputs go back to their tokens' ranks with one "
+                f"all_to_all_single, the dispatch's splits swapped")
+    if len(a2a) != 1:
+        return f"combine made {len(a2a)} all_to_all_single calls of rows; one sends every row home"
+    c = a2a[0]
+    if c['in_splits'] != want['out_splits'] or c['out_splits'] != want['in_splits']:
+        return (f"combine's all_to_all_single had input_split_sizes {c['in_splits']} and output_split_sizes "
+                f"{c['out_splits']}; the rows go back the way they came: {want['out_splits']} and "
+                f"{want['in_splits']} (dispatch's, swapped)")
+    out = res["out"]
+    if out is None or tuple(out.shape) != (tokens, width):
+        return f"combine returned {'no tensor' if out is None else tuple(out.shape)}; expected ({tokens}, {width})"
+    x, expert, weight = want["x"], want["expert"], want["weight"]
+    for t in range(tokens):
+        if torch.allclose(out[t], want["out"][t], rtol=1e-5, atol=1e-6):
+            continue
+        chose = [int(e) for e in expert[t] if e >= 0]
+        unweighted = sum((_apply_expert(want["mats"], e, x[t:t + 1])[0] for e in chose), torch.zeros(width))
+        if not chose and torch.allclose(out[t], x[t], atol=1e-6):
+            return (f"token {t}: every choice of it was dropped (its experts were full), so the layer's output "
+                    f"for it is 0 and the residual connection carries it on; combine returned the token "
+                    f"itself, so the block counts it twice")
+        if chose and torch.allclose(out[t], want["out"][t] + x[t], rtol=1e-5, atol=1e-6):
+            return f"token {t}: the output has the token itself added: the residual connection adds it already"
+        if chose and torch.allclose(out[t], unweighted, rtol=1e-5, atol=1e-6):
+            return (f"token {t}: got the plain sum of its experts' outputs; multiply each by its router weight "
+                    f"({', '.join(f'{float(w):.3f}' for w, e in zip(weight[t], expert[t]) if e >= 0)}) first")
+        return (f"token {t} (experts {chose}): expected {[round(float(v), 4) for v in want['out'][t][:3]]}..., "
+                f"got {[round(float(v), 4) for v in out[t][:3]]}...")
+    return None
+
+
+def check_dispatch_combine(dispatch: Callable, combine: Callable) -> Verdict:
+    """Notebook 13: `dispatch(x, expert, n_experts) -> (received, state)` and `combine(y, weight, state) ->
+    out`, the two all-to-alls of expert parallelism. Checked on 2 and 4 real ranks, with dropped choices,
+    for their collectives, split sizes, bytes, the rows each rank received and each token's output (see
+    the module's docstring)."""
+    title = "my_dispatch, my_combine"
+    for fn, what in ((dispatch, "dispatch(x, expert, n_experts)"), (combine, "combine(y, weight, state)")):
+        wrong = runner.not_a_function(title, fn, what)
+        if wrong:
+            return wrong
+    seeds = [13 + i for i in range(len(CASES))]
+    wants = {}
+    for case, seed in zip(CASES, seeds):   # before any of the learner's code runs
+        wants[case] = _expected(case, seed)
+    check = runner.Checker(title, who="my_dispatch / my_combine")
+    for case, seed in check.each(list(zip(CASES, seeds))):
+        world_size, tokens, width, n_experts, k, cf = case
+        label = f"world_size={world_size}, {n_experts} experts, top-{k}, {tokens} tokens per rank"
+        want = wants[case]
+        results = check.run(
+            _in_rank, world_size,
+            (dispatch, combine, case, seed, [w["received"] for w in want], [w["y"] for w in want]), label,
+            never_finished="they wait in an all-to-all another rank never joined, or with sizes that do "
+                           "not match (every rank calls the same collectives, and rank j's "
+                           "output_split_sizes[i] equals rank i's input_split_sizes[j])",
+            partner_left=": another rank left the all-to-all (its split sizes did not match)")
+        if results is None:
+            continue
+        ranks, _ = _case_data(case, seed)
+        problem = None
+        for r, res in enumerate(results):
+            problem = _dispatch_problem(r, res, want[r], case, ranks)
+            if problem:
+                problem = f"rank {r}: {problem}"
+                break
+        if not problem:
+            for r, res in enumerate(results):
+                problem = _combine_problem(r, res, want[r], case)
+                if problem:
+                    problem = f"rank {r}, {problem}" if problem.startswith("token") else f"rank {r}: {problem}"
+                    break
+        if problem:
+            check.problems.append(f"{label}: {problem}")
+            check.stop()
+    return check.verdict()
