@@ -14,7 +14,9 @@ import sys
 from .rank_io import MARK
 from .run_dirs import rank_file
 
-_LINE_ENDS = re.compile(rb"(\r\n|\r|\n)")
+_LINE_ENDS = re.compile(rb"\r\n|\r|\n")
+_READ_SIZE = 1 << 16     # a pipe's buffer (Linux)
+_READS_AT_CLOSE = 1024   # what is left in the pipes is read at the end; a writer that never stops, not forever
 # In the ranks' private network no DNS server answers, so c10d's reverse lookup of a socket's own
 # loopback address (as "::ffff:127.0.0.1") fails "temporarily" (EAI_AGAIN), and it warns on every
 # connection. Harmless (it then uses the number): kept in the log, not shown in the cell.
@@ -31,8 +33,9 @@ class OutputPump:
     (a progress bar redrawing its line) is passed on at once, the prefix after it.
 
     A line that carries a mime bundle (`rank_io.MARK`: a figure, an image, HTML) is displayed
-    in the cell instead, after a `[rank N]` line. Where it all goes is the *sink*: `sink=`, or
-    the one `output_sink(sink)` sets for a block of code, or `CellSink` (print, display).
+    in the cell instead, after a `[rank N]` line; one larger than DISPLAY_LIMIT, or cut off by its
+    rank's end, is one line saying so (never its base64 as text). Where it all goes is the *sink*:
+    `sink=`, or the one `output_sink(sink)` sets for a block of code, or `CellSink` (print, display).
     """
 
     def __init__(self, run_dir, world_size, quiet, sink=None):
@@ -60,7 +63,7 @@ class OutputPump:
             if stream is None:
                 continue
             try:
-                data = os.read(fd, 1 << 16)
+                data = os.read(fd, _READ_SIZE)
             except BlockingIOError:
                 continue
             total += len(data)
@@ -112,6 +115,8 @@ class OutputPump:
         outlive the cell)."""
         printed = {"stdout": [], "stderr": []}
         for stream in self.streams.values():
+            if stream.sending_display():
+                continue   # a rank's display still on its way (a thread of a warm pool's rank) comes later
             self._take(stream, stream.finish(), printed)
             stream.after_cr = False
         self._print(printed)
@@ -122,6 +127,10 @@ class OutputPump:
             pass
 
     def close(self):
+        """Print what is left (a display cut off by its rank's end is one line), close the pipes."""
+        for _ in range(_READS_AT_CLOSE):
+            if not self.read(self.fds()):
+                break
         printed = {"stdout": [], "stderr": []}
         for fd, stream in self.streams.items():
             self._take(stream, stream.finish(), printed)
@@ -187,45 +196,128 @@ class _Display:
 
 
 _MARK = MARK.encode()
+# The most one display message may have as it travels (MARK, JSON, binary data in base64): 32 MB,
+# about 24 MB of image. It bounds what one rank can make the kernel hold (a message is read whole,
+# decoded, sent on to the browser and saved in the notebook: a few copies of it), and it passes, with
+# room, what a lesson shows: a matplotlib figure is 40 KB at the default size, 1.3 MB for a 12x8 inch
+# imshow of noise at 300 dpi; a 16 MB image of random bytes (which no PNG makes smaller) is 21 MB as
+# sent. A larger one is passed over as it arrives, and one line says so.
+DISPLAY_LIMIT = 32 * 10**6
+_REDRAW_LIMIT = 4096   # an unfinished line after a `\r` (a progress bar's) is redrawn at each read while shorter
+_MIME_KEY = re.compile(rb'"([\w.+-]+/[\w.+-]+)": ')
+_CUT_OFF = " (its rank ended, or was stopped, before it was all sent): not shown"
 
 
 class _Stream:
-    """One rank's stdout or stderr: cut into lines, and `\\r` updates, each shown with the prefix."""
+    """One rank's stdout or stderr: cut into lines, and `\\r` updates, each shown with the prefix.
+
+    Each read looks only at its own bytes for line ends (and for a display's mark), and the
+    unfinished piece grows in place: a line of any length is read in time linear in its length."""
 
     def __init__(self, rank, dest):
         self.rank, self.dest = rank, dest
         self.prefix = f"[rank {rank}] "
-        self.pending = b""       # the unfinished piece
-        self.after_cr = False    # the unfinished piece redraws the line a `\r` started
+        self.pending = bytearray()   # the unfinished piece
+        self.mark_at = -1            # where a display's mark starts in it (-1: none yet)
+        self.skipping = None         # a display over DISPLAY_LIMIT, passed over: [its first bytes, its size]
+        self.after_cr = False        # the unfinished piece redraws the line a `\r` started
 
     def feed(self, data):
         """[(text to show, bytes to log)] for what `data` completes; a redrawn line is shown at once."""
-        parts = _LINE_ENDS.split(self.pending + data)
-        self.pending = parts.pop()
-        pieces = []
-        for i in range(0, len(parts), 2):
-            pieces.extend(self._pieces(parts[i], parts[i + 1]))
-        redrawn = self.pending.split(b"\0")[0]   # not the start of a display's line
-        if self.after_cr and redrawn:
-            pieces.append((f"\r{self.prefix}{self._text(redrawn)}", b""))
+        pieces, start = [], 0
+        if self.skipping is not None:
+            end = _LINE_ENDS.search(data)
+            if end is None:
+                self.skipping[1] += len(data)
+                return pieces
+            head, size = self.skipping
+            self.skipping = None
+            pieces.append(self._passed_over(head, size + end.start()))
+            start = end.end()
+        for end in _LINE_ENDS.finditer(data, start):
+            if self.pending:
+                self.pending += data[start:end.start()]
+                segment = bytes(self.pending)
+                self._clear()
+            else:
+                segment = data[start:end.start()]
+            pieces.extend(self._pieces(segment, end.group()))
+            start = end.end()
+        if start < len(data):
+            pieces.extend(self._grow(data[start:]))
+        if self.after_cr and self.pending and len(self.pending) <= _REDRAW_LIMIT:
+            redrawn = bytes(self.pending).split(b"\0")[0]   # not the start of a display's line
+            if redrawn:
+                pieces.append((f"\r{self.prefix}{self._text(redrawn)}", b""))
         return pieces
+
+    def _grow(self, data):
+        """Add to the unfinished piece; a display that grows past DISPLAY_LIMIT is passed over from
+        here on (the text before it is shown as a line)."""
+        searched = max(0, len(self.pending) - len(_MARK) + 1)
+        self.pending += data
+        if self.mark_at < 0:
+            self.mark_at = self.pending.find(_MARK, searched)
+        if self.mark_at < 0 or len(self.pending) - self.mark_at <= DISPLAY_LIMIT:
+            return []
+        at = self.mark_at
+        before, self.skipping = bytes(self.pending[:at]), [bytes(self.pending[at:at + 4096]), len(self.pending) - at]
+        self._clear()
+        self.after_cr = False
+        return [self._piece(before, b"\n")] if before else []
+
+    def _clear(self):
+        self.pending = bytearray()
+        self.mark_at = -1
+
+    def sending_display(self):
+        """Is a display message on its way (its mark read, not yet its end)?"""
+        return self.skipping is not None or self.mark_at >= 0
 
     def finish(self):
-        """What is left when the stream ends."""
+        """What is left when the stream ends. A display cut off there is one line, never its text."""
+        if self.skipping is not None:
+            head, size = self.skipping
+            self.skipping = None
+            return [self._not_shown(head, f"was cut off after {size / 1e6:.1f} MB{_CUT_OFF}")]
         if not self.pending:
             return [("\n", b"") if self.after_cr else ("", b"")]
-        pieces = self._pieces(self.pending, b"\n")
-        self.pending = b""
-        return pieces
+        segment = bytes(self.pending)
+        self._clear()
+        return self._pieces(segment, b"\n", cut=True)
 
-    def _pieces(self, segment, end):
+    def _passed_over(self, head, size):
+        return self._not_shown(head, f"of {size / 1e6:.1f} MB was not shown: larger than the "
+                                     f"{DISPLAY_LIMIT / 1e6:g} MB limit for one display; save it to a file "
+                                     "instead (plt.savefig, Image.save) and show a smaller one")
+
+    def _not_shown(self, head, why):
+        """One line instead of a display: `head` (its first bytes) says what it held."""
+        kinds = [k.decode() for k in _MIME_KEY.findall(head) if k != b"text/plain"]
+        images = [k for k in kinds if k.startswith("image/")]
+        what = (f"an image ({', '.join(images)})" if images else
+                f"a display ({', '.join(kinds)})" if kinds else "a display")
+        line = f"{self.prefix}{what} {why}\n"
+        self.after_cr = False
+        return line, line.encode()
+
+    def _pieces(self, segment, end, cut=False):
         """A line that carries a display: the text before its mark (a line left unfinished), then
-        the display."""
-        at = segment.find(_MARK) if end != b"\r" else -1
-        shown = _Display.parse(segment[at:]) if at >= 0 else None
-        if shown is None:
+        the display. A marked line that is not a whole display (cut off, or other output written
+        into it) is one line saying so, never its text."""
+        at = segment.find(_MARK)
+        if at < 0:
             return [self._piece(segment, end)]
         pieces = [self._piece(segment[:at], end)] if at > 0 else []
+        size = len(segment) - at
+        head = segment[at:at + 4096]
+        if size > DISPLAY_LIMIT:
+            return pieces + [self._passed_over(head, size)]
+        shown = _Display.parse(segment[at:])
+        if shown is None:
+            why = (f"was cut off after {size / 1e6:.1f} MB{_CUT_OFF}" if cut else
+                   f"of {size / 1e6:.1f} MB could not be read (other output was written into it?): not shown")
+            return pieces + [self._not_shown(head, why)]
         self.after_cr = False
         return pieces + [(shown, f"[display: {', '.join(shown.data)}]\n".encode())]
 
