@@ -217,9 +217,13 @@ def _note_joining():
 
 
 def rank_namespace():
-    """What a `%%ddp` cell's namespace starts with on every rank."""
+    """What a `%%ddp` cell's namespace starts with on every rank. The cell runs as a script's top
+    level under torchrun: `__name__` is "__main__", so a pasted script's `if __name__ == "__main__":`
+    block runs, and sys.argv holds no arguments (the kernel's own, `-f kernel.json`, would reach the
+    script's argparse)."""
+    del sys.argv[1:]
     initialised = dist.is_initialized()
-    return {"__name__": "__ddp__", "torch": torch, "dist": dist,
+    return {"__name__": "__main__", "torch": torch, "dist": dist,
             "rank": dist.get_rank() if initialised else 0,
             "world_size": dist.get_world_size() if initialised else 1,
             "display": rank_io.display}
