@@ -6,7 +6,9 @@ expected one, computed here before any of the learner's code runs. Where an exer
 collective from send/recv, that collective is switched off in the ranks (`spies.forbidding`), and
 the ranks' messages are recorded (`spies.recording_p2p`) so that the algorithm is checked too
 (`traffic.Traffic`): a right result reached the wrong way (gathering everything at rank 0, a chain
-instead of a tree, ranks that take turns) is named.
+instead of a tree, ranks that take turns) is named. The point-to-point exercises end with a case
+drawn at random when the checker runs (`runner.unseen`), whose ranks hold random data: an answer
+that computes the public cases' sums from their formula fails it.
 """
 from __future__ import annotations
 
@@ -36,16 +38,18 @@ def run_counting_p2p(fn: Callable, make_input: Callable, forbidden: tuple[str, .
         return _run_in_rank(fn, make_input, forbidden), events
 
 
-def _check(title, fn, cases, make_input, expected, forbidden=(), hint="", algorithm=None) -> Verdict:
-    """Run fn for each (world_size, length) case and compare each rank's result with expected(rank,
-    world_size, length), every one of them computed before the first launch. With `algorithm`, the
-    ranks' p2p calls are recorded too, and algorithm(Traffic, world_size, length) returns what is
-    wrong with the way the result was computed (a list of problems)."""
-    wants = {case: [expected(rank, *case) for rank in range(case[0])] for case in cases}
+def _check(title, fn, cases, make_input, expected, forbidden=(), hint="", algorithm=None, unseen=()) -> Verdict:
+    """Run fn for each (world_size, length, seed) case (the public `cases`, then the `unseen` ones) and
+    compare each rank's result with expected(rank, world_size, length, seed), every one of them computed
+    before the first launch. With `algorithm`, the ranks' p2p calls are recorded too, and
+    algorithm(Traffic, world_size, length) returns what is wrong with the way the result was computed
+    (a list of problems)."""
+    cases = [case + (None,) * (3 - len(case)) for case in cases]
+    wants = {case: [expected(rank, *case) for rank in range(case[0])] for case in [*cases, *unseen]}
     check = runner.Checker(title, fn)
-    for world_size, length in check.each(cases):
-        label = f"world_size={world_size}" + (f", length={length}" if length is not None else "")
-        inputs = (fn, lambda r, n, k=length: make_input(r, n, k), forbidden)
+    for world_size, length, seed in check.each(cases, unseen):
+        label = check.label(f"world_size={world_size}" + (f", length={length}" if length is not None else ""))
+        inputs = (fn, lambda r, n, k=length, s=seed: make_input(r, n, k, s), forbidden)
         got = check.run(run_counting_p2p if algorithm else _run_in_rank, world_size, inputs, label,
                         never_finished=f"a send without its recv, or the other way round? {hint}", on_error=hint)
         if got is None:
@@ -55,7 +59,7 @@ def _check(title, fn, cases, make_input, expected, forbidden=(), hint="", algori
             got = [value for value, _ in got]
         wrong = False
         for rank, value in enumerate(got):
-            problem = difference(wants[world_size, length][rank], value)
+            problem = difference(wants[world_size, length, seed][rank], value)
             if problem:
                 wrong = True
                 check.problems.append(f"{label}, rank {rank}: {problem}")
@@ -64,13 +68,13 @@ def _check(title, fn, cases, make_input, expected, forbidden=(), hint="", algori
     return check.verdict()
 
 
-def _no_input(rank, world_size, length):
+def _no_input(rank, world_size, length, seed):
     return ()
 
 
 def check_rank_squares(fn: Callable[[], int]) -> Verdict:
     """Each rank returns its rank squared."""
-    return _check("my_square", fn, [(2, None), (4, None)], _no_input, lambda r, n, k: r * r)
+    return _check("my_square", fn, [(2, None), (4, None)], _no_input, lambda r, n, k, s: r * r)
 
 
 def check_parity_group_sum(fn: Callable[[], int]) -> Verdict:
@@ -78,15 +82,24 @@ def check_parity_group_sum(fn: Callable[[], int]) -> Verdict:
     computed with an all_reduce inside a `new_group` of even or odd ranks."""
     hint = "Every rank must call dist.new_group for every group, in the same order, even groups it is not in."
     return _check("parity_group_sum", fn, [(2, None), (3, None), (4, None)], _no_input,
-                  lambda r, n, k: sum(i for i in range(n) if i % 2 == r % 2), hint=hint)
+                  lambda r, n, k, s: sum(i for i in range(n) if i % 2 == r % 2), hint=hint)
 
 
-def _rank_data(rank, world_size, length):
-    """Each rank's own tensor in the p2p exercises: easy to tell apart by eye."""
-    return (torch.arange(length, dtype=torch.float32) + 100 * rank,)
+def _rank_data(rank, world_size, length, seed=None):
+    """Each rank's own tensor in the p2p exercises: easy to tell apart by eye (0, 1, 2, ... plus 100 times
+    the rank); with a seed, whole numbers drawn at random (sums of them are exact in float32)."""
+    if seed is None:
+        return (torch.arange(length, dtype=torch.float32) + 100 * rank,)
+    generator = torch.Generator().manual_seed(seed * 64 + rank)
+    return (torch.randint(-99, 100, (length,), generator=generator).float(),)
 
 
 _LENGTH_CASES = [(2, 1), (2, 5), (3, 4), (3, 7), (4, 3), (4, 10)]
+
+
+def _draw_length_case(rng):
+    """(world_size, length, seed): a case whose ranks hold random data."""
+    return rng.randint(2, 4), rng.randint(1, 12), rng.randrange(2**40)
 
 
 def _all_gather_traffic(traffic, n, length):
@@ -116,9 +129,9 @@ def check_all_gather(fn: Callable[[torch.Tensor], list[torch.Tensor]]) -> Verdic
     """Notebook 02: `fn(t)` returns the list of every rank's tensor, built from send/recv.
     Also checks how: every rank sends and receives (n-1)·S bytes (no gathering at one rank)."""
     return _check("my_all_gather", fn, _LENGTH_CASES, _rank_data,
-                  lambda r, n, k: [_rank_data(i, n, k)[0] for i in range(n)],
+                  lambda r, n, k, s: [_rank_data(i, n, k, s)[0] for i in range(n)],
                   forbidden=("all_gather", "all_gather_object", "all_gather_into_tensor", "all_gather_single",
-                             "broadcast"), algorithm=_all_gather_traffic)
+                             "broadcast"), algorithm=_all_gather_traffic, unseen=runner.unseen(_draw_length_case))
 
 
 def _tree_broadcast_traffic(traffic, n, length):
@@ -148,9 +161,9 @@ def check_tree_broadcast(fn: Callable[[torch.Tensor], torch.Tensor]) -> Verdict:
     """Notebook 02: `fn(t)` returns rank 0's tensor on every rank, sent along a binomial tree.
     Also checks how: one message per receiving rank, and at most ceil(log2 n) rounds."""
     return _check("tree_broadcast", fn, _LENGTH_CASES + [(4, 1), (5, 2)], _rank_data,
-                  lambda r, n, k: _rank_data(0, n, k)[0],
+                  lambda r, n, k, s: _rank_data(0, n, k, s)[0],
                   forbidden=("broadcast", "broadcast_object_list", "scatter", "all_gather", "all_reduce"),
-                  algorithm=_tree_broadcast_traffic)
+                  algorithm=_tree_broadcast_traffic, unseen=runner.unseen(_draw_length_case))
 
 
 def _ring_all_reduce_traffic(traffic, n, length):
@@ -198,7 +211,8 @@ def check_ring_all_reduce(fn: Callable[[torch.Tensor], torch.Tensor]) -> Verdict
     2(n-1) messages of one chunk each to one neighbour, in 2(n-1) rounds (not gather-and-send-back).
     Reference solution: ddp_helpers/solutions.py, ring_all_reduce."""
     return _check("ring_all_reduce", fn, _LENGTH_CASES, _rank_data,
-                  lambda r, n, k: sum(_rank_data(i, n, k)[0] for i in range(n)),
+                  lambda r, n, k, s: sum(_rank_data(i, n, k, s)[0] for i in range(n)),
                   forbidden=("all_reduce", "reduce", "reduce_scatter", "all_gather", "broadcast",
                              "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather_single",
-                             "reduce_scatter_single"), algorithm=_ring_all_reduce_traffic)
+                             "reduce_scatter_single"), algorithm=_ring_all_reduce_traffic,
+                  unseen=runner.unseen(_draw_length_case))

@@ -7,6 +7,8 @@ and at the collectives each rank called (one all_reduce, SUM, of the counts).
 check_steps_per_epoch: the number of training steps per epoch with a DistributedSampler and
 drop_last=True, checked in a process of its own (an endless loop, sys.exit or a patch of the
 loaders is a verdict); the expected values come from torch's DataLoader there, before fn runs.
+Both end with cases drawn when the checker runs (`runner.unseen`): a test set whose right answers are
+drawn at random, epochs of random sizes; an answer that looks the public cases up fails them.
 """
 from __future__ import annotations
 
@@ -25,9 +27,20 @@ __all__ = ["check_exact_accuracy", "check_steps_per_epoch", "sampler_share"]
 _ACCURACY_CASES = [(10, 4, False), (11, 3, True), (9, 2, True), (12, 3, True)]
 
 
-def _truth(n_images):
-    """Whether "the model" classified each test image right: fixed, about 60% right."""
-    return torch.rand(n_images, generator=torch.Generator().manual_seed(n_images)) < 0.6
+def _truth(n_images, seed=None):
+    """Whether "the model" classified each test image right: about 60% right, fixed by the number of
+    images (or by `seed`, for a case drawn at random)."""
+    generator = torch.Generator().manual_seed(n_images if seed is None else seed)
+    return torch.rand(n_images, generator=generator) < 0.6
+
+
+def _draw_accuracy_case(rng):
+    """(test images, ranks, shuffle, seed): most world sizes do not divide the set, and the accuracy
+    differs from the one the public truth of that many images gives."""
+    while True:
+        n_images, seed = rng.randint(5, 40), rng.randrange(2**40)
+        if int(_truth(n_images, seed).sum()) != int(_truth(n_images).sum()):
+            return n_images, rng.randint(2, 4), True, seed
 
 
 def sampler_share(n_images: int, world_size: int, rank: int, shuffle: bool = True, seed: int = 0) -> list[int]:
@@ -45,12 +58,12 @@ def _describe(name, args, kwargs):
             tensor.numel() if isinstance(tensor, torch.Tensor) else None)
 
 
-def _accuracy_in_rank(fn, n_images, shuffle):
+def _accuracy_in_rank(fn, n_images, shuffle, seed=None):
     """Inside a rank: fn(correct, n_images), where `correct` says for each sample of this rank's
     DistributedSampler share (padding included) whether the model got it right. Returns (what fn
     returned: ("number", x) or ("other", repr, type), the collectives it called)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    correct = _truth(n_images)[sampler_share(n_images, world_size, rank, shuffle)]
+    correct = _truth(n_images, seed)[sampler_share(n_images, world_size, rank, shuffle)]
     with noting_calls(COLLECTIVES, _describe) as calls:
         got = fn(correct.clone(), n_images)
     if isinstance(got, torch.Tensor) and got.numel() == 1 and not got.dtype == torch.bool:
@@ -60,10 +73,10 @@ def _accuracy_in_rank(fn, n_images, shuffle):
     return ("other", repr(got)[:80], type(got).__name__), calls
 
 
-def _wrong_value_hint(got, n_images, world_size, shuffle):
+def _wrong_value_hint(got, n_images, world_size, shuffle, seed=None):
     """What a wrong accuracy most likely came from."""
-    truth = _truth(n_images)
-    shares = [_truth(n_images)[sampler_share(n_images, world_size, r, shuffle)] for r in range(world_size)]
+    truth = _truth(n_images, seed)
+    shares = [truth[sampler_share(n_images, world_size, r, shuffle)] for r in range(world_size)]
     real = [share[:len(range(r, n_images, world_size))] for r, share in enumerate(shares)]
     padded = sum(int(s.sum()) for s in shares) / sum(len(s) for s in shares)
 
@@ -121,14 +134,16 @@ def check_exact_accuracy(fn: Callable[[torch.Tensor, int], float]) -> Verdict:
     title = "exact_accuracy"
     if not callable(fn):
         return runner.not_a_function(title, fn, "exact_accuracy(correct, n_images)")
-    wants = {n_images: int(_truth(n_images).sum()) / n_images for n_images, _, _ in _ACCURACY_CASES}
+    cases = [case + (None,) for case in _ACCURACY_CASES]
+    unseen = runner.unseen(_draw_accuracy_case)
+    wants = {case: int(_truth(case[0], case[3]).sum()) / case[0] for case in cases + unseen}
     check = runner.Checker(title, who=runner.name_of(fn, "fn"), stop_after_error=True)
     problems = check.problems
-    for n_images, world_size, shuffle in check.each(_ACCURACY_CASES):
-        label = f"{n_images} test images on {world_size} ranks"
-        want = wants[n_images]
+    for n_images, world_size, shuffle, seed in check.each(cases, unseen):
+        label = check.label(f"{n_images} test images on {world_size} ranks")
+        want = wants[n_images, world_size, shuffle, seed]
         runs = check.run(
-            _accuracy_in_rank, world_size, (fn, n_images, shuffle), label,
+            _accuracy_in_rank, world_size, (fn, n_images, shuffle, seed), label,
             never_finished="they wait in a collective another rank never calls: every rank must make the "
                            "same calls (is a collective inside `if dist.get_rank() == 0`?)",
             partner_left=": its partner had left. Does every rank call the same collectives?")
@@ -148,7 +163,7 @@ def check_exact_accuracy(fn: Callable[[torch.Tensor, int], float]) -> Verdict:
                                 f"{value[0]} ({value[1]})")
                 break
             if not close(want, value[0], atol=1e-6):   # float32 arithmetic is fine
-                hint = "" if calls_problem else _wrong_value_hint(value[0], n_images, world_size, shuffle)
+                hint = "" if calls_problem else _wrong_value_hint(value[0], n_images, world_size, shuffle, seed)
                 problems.append(f"{label}, rank {rank}: expected accuracy {want:.6g}, got {value[0]:.6g}"
                                 + (f": {hint}" if hint else ""))
                 break
@@ -164,6 +179,12 @@ _STEP_CASES = [(10_000, 128, 1), (10_000, 128, 2), (998, 111, 3), (50_000, 256, 
 
 
 STEPS_TIMEOUT_S = 20   # the learner's steps_per_epoch is arithmetic: this is an endless loop
+
+
+def _draw_step_case(rng):
+    """(images, batch per rank, ranks): at least one step per epoch."""
+    world_size, batch = rng.randint(1, 8), rng.randint(8, 256)
+    return rng.randint(world_size * batch, 60_000), batch, world_size
 
 
 def _steps_in_rank(fn, cases):
@@ -205,7 +226,9 @@ def check_steps_per_epoch(fn: Callable[[int, int, int], int]) -> Verdict:
     name = runner.name_of(fn)
     if not callable(fn):
         return runner.not_a_function(title, fn, "steps_per_epoch(n_images, batch_per_rank, world_size)")
-    outcome = runner.run_case(_steps_in_rank, 1, (fn, _STEP_CASES), "", timeout=STEPS_TIMEOUT_S, init=False)
+    unseen = runner.unseen(_draw_step_case, 2)
+    outcome = runner.run_case(_steps_in_rank, 1, (fn, _STEP_CASES + unseen), "", timeout=STEPS_TIMEOUT_S,
+                              init=False)
     if outcome.kind == "timeout":
         return Verdict(title, [f"{name} did not return within {STEPS_TIMEOUT_S:g} s (an endless loop?)"])
     if outcome.kind == "unsendable":
@@ -216,8 +239,11 @@ def check_steps_per_epoch(fn: Callable[[int, int, int], int]) -> Verdict:
     if found is None:
         return runner.stub_verdict(title, fn)
     problems = []
-    for (n, batch, world_size), (want, (kind, *what)) in zip(_STEP_CASES, found):
-        label = f"{n} images, {batch} per rank, {world_size} ranks"
+    for i, ((n, batch, world_size), (want, (kind, *what))) in enumerate(zip(_STEP_CASES + unseen, found)):
+        drawn = i >= len(_STEP_CASES)
+        if drawn and problems:
+            break   # the cases drawn now are for answers that pass the public ones
+        label = f"{n} images, {batch} per rank, {world_size} ranks" + (runner.DRAWN if drawn else "")
         if kind == "raised":
             exc_type, message = what
             exit_hint = ": return the number instead of ending the program" if exc_type == "SystemExit" else ""

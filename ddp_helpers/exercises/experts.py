@@ -85,6 +85,8 @@ class CollectiveLog(DispatchSpy):
             call.to_others = (sum(call.in_splits) - call.in_splits[me]) * row_bytes
         elif op.startswith("all_gather"):
             call.to_others = call.nbytes * (size - 1)
+        elif op == "send":
+            call.to_others = call.nbytes
         self.calls.append(dataclasses.asdict(call))
 
     def sent(self, op: str | None = None) -> int:

@@ -4,7 +4,8 @@ DDP runs the learner's hook on 2 and 3 Gloo ranks; each rank's local gradients a
 in float32 (the real all_reduce) are taken before the learner's code runs. Every dist.all_reduce is
 noted with its dtype and bytes and any other collective named (`spies.CallLog`); the averaged
 gradients are compared with the true mean within float16's rounding (`verdict.close`), and one case
-has gradients whose sum overflows float16 while their mean does not.
+has gradients whose sum overflows float16 while their mean does not. A last case, drawn when the
+checker runs (`runner.unseen`), uses data no answer can have seen.
 """
 from __future__ import annotations
 
@@ -37,13 +38,14 @@ def _describe(name, args, kwargs):
     return {"dtype": str(tensor.dtype).replace("torch.", ""), "bytes": tensor.numel() * tensor.element_size()}
 
 
-def _compress_hook_in_rank(hook, scale):
-    """Inside a rank: this rank's gradients (a loss times `scale`), their true mean in float32 (the
-    real all_reduce, before the learner's code runs), then one backward of the same loss through DDP
-    with `hook` registered, every dist.all_reduce noted (dtype, bytes) and any other collective named."""
+def _compress_hook_in_rank(hook, scale, seed=1):
+    """Inside a rank: this rank's gradients (a loss times `scale`, on data made from `seed`), their true
+    mean in float32 (the real all_reduce, before the learner's code runs), then one backward of the same
+    loss through DDP with `hook` registered, every dist.all_reduce noted (dtype, bytes) and any other
+    collective named."""
     from torch.nn.parallel import DistributedDataParallel as DDP
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(seed)
     x, y = torch.randn(24, 32, generator=g), torch.randn(24, 8, generator=g)
     shard = slice(rank * 24 // world_size, (rank + 1) * 24 // world_size)
 
@@ -125,11 +127,12 @@ def check_fp16_compress_hook(hook: Callable) -> Verdict:
     assert largest_sum * 0.95 / largest_own > 1.1, "the checker's data no longer overflows float16"
     check = runner.Checker(title, who=title)
     problems = check.problems
-    for world_size, scale, overflow_case in check.each(((2, 1.0, False), (3, 1.0, False),
-                                                        (2, 0.95 * _FP16_MAX / largest_own, True))):
-        label = f"world_size={world_size}" + (", gradients near float16's limit" if overflow_case else "")
+    unseen = runner.unseen(lambda rng: (rng.randint(2, 3), 1.0, False, rng.randrange(2, 2**40)))
+    for world_size, scale, overflow_case, seed in check.each(((2, 1.0, False, 1), (3, 1.0, False, 1),
+                                                              (2, 0.95 * _FP16_MAX / largest_own, True, 1)), unseen):
+        label = check.label(f"world_size={world_size}" + (", gradients near float16's limit" if overflow_case else ""))
         results = check.run(
-            _compress_hook_in_rank, world_size, (hook, scale), label, timeout=30,
+            _compress_hook_in_rank, world_size, (hook, scale, seed), label, timeout=30,
             never_finished="every rank's hook must all-reduce each bucket once")
         if results is None:
             continue

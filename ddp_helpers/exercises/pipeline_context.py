@@ -11,7 +11,8 @@ and one gradient back per micro-batch, to the neighbours only; the activations a
 min(m, p - rank), which is what 1F1B is for; and the order, replayed on an ideal clock (forward 1
 slot, backward 2), leaves the bubble of a full pipeline, (p-1)/(m+p-1), so a schedule that never
 fills the pipeline is named too. GPipe's order gives the right gradients, messages and bubble,
-and is rejected for its memory.
+and is rejected for its memory. A last case, drawn when the checker runs (`runner.unseen`), has a
+number of stages and micro-batches no public case has.
 """
 from __future__ import annotations
 
@@ -227,14 +228,20 @@ def counting_sends(fn: Callable, *args) -> tuple:
     return result, sum(nbytes for kind, _, _, nbytes in events if kind == "send")
 
 
+def _draw_case(rng):
+    """(stages, micro-batches) that no public case has: an order looked up by (p, m) has none for it."""
+    return rng.choice([(p, m) for p in (2, 3, 4) for m in range(p, p + 5) if (p, m) not in _CASES])
+
+
 def check_one_f_one_b(fn: Callable[[Callable, Callable, int, int, int], None]) -> Verdict:
     """Notebook 10: `fn(forward, backward, m, rank, p)` runs this rank's forward(i) and backward(i),
     i = 0..m-1, in 1F1B order. Checked on 2, 3 and 4 real ranks (see the module's docstring)."""
     title = "my_1f1b"
-    references = {case: _reference(*case) for case in _CASES}   # before any of the learner's code runs
+    unseen = runner.unseen(_draw_case)
+    references = {case: _reference(*case) for case in _CASES + unseen}   # before any of the learner's code runs
     check = runner.Checker(title, fn)
-    for p, m in check.each(_CASES):
-        label = f"p={p} stages, m={m} micro-batches"
+    for p, m in check.each(_CASES, unseen):
+        label = check.label(f"p={p} stages, m={m} micro-batches")
         grads_ref, units = references[p, m]
         forbidden = ("all_reduce", "all_gather", "broadcast", "reduce_scatter", "barrier")
         got = check.run(

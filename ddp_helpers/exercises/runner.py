@@ -5,16 +5,34 @@ into one line for the verdict: ranks that never finished (a hang: `never_finishe
 learner most likely did), a rank that raised or died (with `partner_left` where Gloo says its peer
 went away, and `on_error` always), the learner's function still being the stub, a function that
 cannot be sent to a rank. Every checker's cases go through it.
+
+What the ranks send back is plain data (`plain`): the rank's result is described with builtin types
+inside the rank, an error as plain text, and the launcher reads what the ranks wrote refusing any
+class or function reference in it. So no object of the learner's is ever unpickled in the kernel,
+and the checker compares exact types (`verdict.difference`).
+
+A checker's public cases may be looked up by an answer; `unseen` draws more at check time, from the
+operating system's entropy, and `Checker.each` runs them after the public ones have passed.
 """
 from __future__ import annotations
 
+import contextlib
+import pickle
+import random
+import secrets
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from unittest import mock
 
+from .. import launcher
 from ..launcher import WorkerError, WorkerTimeout, launch
+from . import plain
 from .verdict import Verdict
 
 HANG_TIMEOUT_S = 10   # a learner's ranks that have not finished by then are stuck (a send without its recv)
+DRAWN = " (a case drawn at random now)"   # said after the label of an unseen case
+NOT_PLAIN = ("the ranks sent something other than plain data ({}): the checker reads numbers, strings and "
+             "tensors, and lists, tuples and dicts of them")
 
 
 @dataclass
@@ -36,12 +54,44 @@ def _first_line(err: BaseException) -> str:
     return str(err).splitlines()[0].split(". This is typically")[0][:300] if str(err) else type(err).__name__
 
 
+def _plain_in_rank(in_rank: Callable, args: tuple):
+    """Inside a rank: in_rank(*args), its result described with builtin types before it leaves the
+    rank (plain.to_plain), an error it raises as plain text (plain.plain_error)."""
+    try:
+        result = in_rank(*args)
+    except BaseException as exc:   # NotImplementedError (the stub) keeps its name
+        raise plain.plain_error(exc) from None
+    return plain.to_plain(result)
+
+
+class _PlainPickle:
+    """`pickle` as the launcher sees it while a checker's ranks run: what they wrote (results, error
+    records) is read with plain.load, which refuses any class or function reference instead of
+    running it, even where the learner's code changed how its rank pickles."""
+    load = staticmethod(plain.load)
+    loads = staticmethod(plain.loads)
+
+    def __getattr__(self, name):
+        return getattr(pickle, name)
+
+
+@contextlib.contextmanager
+def _reading_plain_data_only() -> Iterator[None]:
+    with mock.patch.object(launcher, "pickle", _PlainPickle()):
+        yield
+
+
 def run_case(in_rank: Callable, world_size: int, args: tuple, label: str, *, timeout: float | None = None,
              never_finished: str = "", partner_left: str = "", on_error: str = "", init: bool = True) -> Outcome:
-    """`in_rank(*args)` on `world_size` Gloo ranks, at most `timeout` seconds (HANG_TIMEOUT_S by default)."""
+    """`in_rank(*args)` on `world_size` Gloo ranks, at most `timeout` seconds (HANG_TIMEOUT_S by default).
+    The results are plain data: exact builtin types and exact tensors, or `plain.Foreign`."""
     try:
-        results = launch(in_rank, world_size, args=args, timeout=HANG_TIMEOUT_S if timeout is None else timeout,
-                         init=init, quiet=True)
+        with _reading_plain_data_only():
+            sent = launch(_plain_in_rank, world_size, args=(in_rank, tuple(args)),
+                          timeout=HANG_TIMEOUT_S if timeout is None else timeout, init=init, quiet=True)
+        results = [plain.from_plain(value) for value in sent]
+    except plain.NotPlain as err:
+        return Outcome(problem=f"{label}: {NOT_PLAIN.format(err)}".lstrip(": "), kind="error", error=err)
     except WorkerTimeout as err:
         return Outcome(problem=f"{label}: rank(s) {err.unfinished_ranks} never finished: {never_finished}".rstrip(": "),
                        kind="timeout", error=err)
@@ -71,12 +121,24 @@ class Checker:
         self._stub_message = stub or f"{who or name_of(fn)} still raises NotImplementedError: fill in the stub"
         self._stub = self._stopped = False
         self._stop_after_error = stop_after_error
+        self.drawn = False   # True while the unseen cases run
 
-    def each(self, cases: Iterable) -> Iterator:
+    def each(self, cases: Iterable, unseen: Iterable = ()) -> Iterator:
+        """The public cases, then, only when every one of them passed, the `unseen` ones (drawn at
+        check time: see `unseen`), with `drawn` True."""
         for case in cases:
             if self._stub or self._stopped:
                 return
             yield case
+        self.drawn = True
+        for case in unseen:
+            if self._stub or self._stopped or self.problems:
+                return
+            yield case
+
+    def label(self, text: str) -> str:
+        """A case's label, which says so when the case was drawn at random now."""
+        return text + DRAWN if self.drawn else text
 
     def stop(self) -> None:
         """No more cases (one case said what is wrong; the others would say it again)."""
@@ -102,6 +164,13 @@ class Checker:
         if self._stub:
             return Verdict(self.title, [self._stub_message])
         return Verdict(self.title, self.problems, self.notes)
+
+
+def unseen(draw: Callable[[random.Random], object], count: int = 1) -> list:
+    """`count` cases made by `draw(rng)` now, at check time, with a generator seeded from the operating
+    system's entropy: no answer can have looked them up (the public cases it can)."""
+    rng = random.Random(secrets.randbits(64))
+    return [draw(rng) for _ in range(count)]
 
 
 def name_of(fn, default: str = "the function") -> str:

@@ -5,8 +5,9 @@ counts the world size divides and does not (down to fewer rows than ranks). Ever
 compared with the one FSDP2 keeps (`expected_shard`, the padded rows `torch.chunk` gives the rank,
 taken before any of the learner's code runs), and the collectives of the reassembly are recorded
 below torch.distributed's Python functions (`spies.CollectiveRecorder`), with their bytes: one
-all-gather of the padded shards, nothing else. `ddp_helpers.sharding` re-exports the checker, the
-path notebook 08 uses.
+all-gather of the padded shards, nothing else. A last case, drawn when the checker runs
+(`runner.unseen`), shards a tensor of random size and values. `ddp_helpers.sharding` re-exports the
+checker, the path notebook 08 uses.
 """
 from __future__ import annotations
 
@@ -27,9 +28,18 @@ __all__ = ["check_shard_and_reassemble", "expected_shard", "full_tensor"]
 _SHARD_CASES = [(2, (6, 3)), (2, (5, 2)), (3, (7,)), (4, (10, 3)), (4, (3, 5)), (4, (1, 2))]
 
 
-def full_tensor(shape: tuple[int, ...]) -> torch.Tensor:
-    """The tensor the checker shards: 1, 2, 3, ... (never 0, so padding is easy to tell apart)."""
+def full_tensor(shape: tuple[int, ...], seed: int | None = None) -> torch.Tensor:
+    """The tensor the checker shards: 1, 2, 3, ... (never 0, so padding is easy to tell apart); with a
+    seed, whole numbers from 1 to 99 drawn at random."""
+    if seed is not None:
+        return torch.randint(1, 100, shape, generator=torch.Generator().manual_seed(seed)).float()
     return torch.arange(1, 1 + torch.Size(shape).numel(), dtype=torch.float32).reshape(shape)
+
+
+def _draw_case(rng):
+    """(world size, shape, seed): 1 to 9 rows (fewer than the ranks, sometimes), 1 or 2 dimensions."""
+    shape = (rng.randint(1, 9),) + ((rng.randint(1, 4),) if rng.random() < 0.7 else ())
+    return rng.randint(2, 4), shape, rng.randrange(2**40)
 
 
 def expected_shard(full: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
@@ -42,11 +52,11 @@ def expected_shard(full: torch.Tensor, rank: int, world_size: int) -> torch.Tens
     return F.pad(mine, [0, 0] * (full.dim() - 1) + [0, size - mine.shape[0]])
 
 
-def _shard_case_in_rank(shard_fn, reassemble_fn, shape):
+def _shard_case_in_rank(shard_fn, reassemble_fn, shape, seed=None):
     """Inside a rank: the learner's shard, then the learner's reassembly of the true shard (taken
     before the learner's code runs), with every collective recorded as (name, bytes sent by this rank)."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    full = full_tensor(shape)
+    full = full_tensor(shape, seed)
     true_shard = expected_shard(full, rank, world_size)
     try:
         shard = shard_fn(full.clone(), rank, world_size)
@@ -108,19 +118,20 @@ def check_shard_and_reassemble(shard_fn: Callable[[torch.Tensor, int, int], torc
     below torch.distributed's Python functions. Reference solution: ddp_helpers/solutions.py,
     solution_shard and solution_reassemble."""
     title = "my_shard + my_reassemble"
+    cases, unseen = [case + (None,) for case in _SHARD_CASES], runner.unseen(_draw_case)
     wants = {}
-    for world_size, shape in _SHARD_CASES:   # before any of the learner's code runs
-        full = full_tensor(shape)
-        wants[world_size, shape] = full, [expected_shard(full, rank, world_size) for rank in range(world_size)]
+    for world_size, shape, seed in cases + unseen:   # before any of the learner's code runs
+        full = full_tensor(shape, seed)
+        wants[world_size, shape, seed] = full, [expected_shard(full, rank, world_size) for rank in range(world_size)]
     check = runner.Checker(title, stub="still raises NotImplementedError: fill in the stubs")
-    for world_size, shape in check.each(_SHARD_CASES):
-        label = f"world_size={world_size}, shape {shape}"
+    for world_size, shape, seed in check.each(cases, unseen):
+        label = check.label(f"world_size={world_size}, shape {shape}")
         results = check.run(
-            _shard_case_in_rank, world_size, (shard_fn, reassemble_fn, shape), label, timeout=20,
+            _shard_case_in_rank, world_size, (shard_fn, reassemble_fn, shape, seed), label, timeout=20,
             never_finished="every rank must make the same collective calls, with shards of the same size")
         if results is None:
             continue
-        full, shards = wants[world_size, shape]
+        full, shards = wants[world_size, shape, seed]
         for rank, result in enumerate(results):
             problem = _shard_problems(result, rank, world_size, full, shards[rank])
             if problem:

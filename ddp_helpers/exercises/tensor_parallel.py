@@ -6,7 +6,8 @@ reduce-scatter of the partial output along the sequence dimension instead). The 
 real Gloo ranks and records every collective each rank makes, below torch.distributed's Python
 functions (a dispatch mode that sees the c10d operators, however the learner reached them), with the
 bytes the rank hands in: a right result from another algorithm (gathering the inputs and computing
-everything on every rank, an all-reduce where a reduce-scatter does) is named, not accepted.
+everything on every rank, an all-reduce where a reduce-scatter does) is named, not accepted. A last
+case, drawn when the checker runs (`runner.unseen`), has random sizes and data.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from . import runner
+from .plain import type_name
 from .spies import CollectiveRecorder
 from .verdict import Verdict, close, difference
 
@@ -25,20 +27,28 @@ __all__ = ["check_row_parallel", "ROW_PARALLEL_CASES"]
 ROW_PARALLEL_CASES = [(2, 2, 4, 6, 5), (4, 3, 8, 8, 3)]
 
 
-def _row_parallel_data(batch, tokens, in_features, out_features):
-    g = torch.Generator().manual_seed(batch * 100 + tokens * 10 + in_features)
+def _row_parallel_data(batch, tokens, in_features, out_features, seed=None):
+    g = torch.Generator().manual_seed(batch * 100 + tokens * 10 + in_features if seed is None else seed)
     x = torch.randn(batch, tokens, in_features, generator=g)
     weight = torch.randn(out_features, in_features, generator=g)
     bias = torch.randn(out_features, generator=g)
     return x, weight, bias
 
 
-def _row_parallel_in_rank(fn, shape):
+def _draw_case(rng):
+    """((world_size, batch, tokens, in_features, out_features), seed): tokens and in_features divide by world_size."""
+    world_size = rng.choice((2, 4))
+    shape = (world_size, rng.randint(1, 3), world_size * rng.randint(1, 3), world_size * rng.randint(1, 3),
+             rng.randint(1, 6))
+    return shape, rng.randrange(2**40)
+
+
+def _row_parallel_in_rank(fn, shape, seed=None):
     """Inside a rank: fn(this rank's input-feature slice of x, its column slice of the weight, the
     whole bias, sequence_parallel) for sequence_parallel False, then True, with every collective
     recorded. Returns a dict per mode."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    x, weight, bias = _row_parallel_data(*shape)
+    x, weight, bias = _row_parallel_data(*shape, seed)
     results = {}
     for sequence_parallel in (False, True):
         x_shard = x.chunk(world_size, dim=-1)[rank].clone()
@@ -58,9 +68,9 @@ def _row_parallel_in_rank(fn, shape):
     return results
 
 
-def _expected(shape):
+def _expected(shape, seed=None):
     """For one case: (the whole output x @ weight.T + bias, the bias), from the checker's own data."""
-    x, weight, bias = _row_parallel_data(*shape[1:])
+    x, weight, bias = _row_parallel_data(*shape[1:], seed)
     return x @ weight.T + bias, bias
 
 
@@ -72,8 +82,8 @@ def _row_parallel_problem(result, rank, world_size, shape, sequence_parallel, ex
     if result["error"]:
         return f"raised {result['error']}"
     got = result["got"]
-    if not isinstance(got, torch.Tensor):
-        return f"returned {type(got).__name__}, expected a tensor"
+    if type(got) is not torch.Tensor:
+        return f"returned {type_name(got)}, expected a tensor"
     if tuple(got.shape) != tuple(want.shape):
         hint = ""
         if sequence_parallel and tuple(got.shape) == tuple(full.shape):
@@ -119,12 +129,14 @@ def check_row_parallel(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, b
     (sequence_parallel=False), or this rank's block of tokens of it (sequence_parallel=True). Checked on
     2 and 4 ranks for both: the values, and the collectives each rank made with their bytes."""
     title = "my_row_parallel"
-    wants = {shape: _expected(shape) for shape in ROW_PARALLEL_CASES}
+    cases, unseen = [(shape, None) for shape in ROW_PARALLEL_CASES], runner.unseen(_draw_case)
+    wants = {case: _expected(*case) for case in cases + unseen}
     check = runner.Checker(title, fn)
-    for shape in check.each(ROW_PARALLEL_CASES):
+    for shape, seed in check.each(cases, unseen):
         world_size = shape[0]
+        label = check.label(f"world_size={world_size}" + (f", shape {shape[1:]}" if check.drawn else ""))
         results = check.run(
-            _row_parallel_in_rank, world_size, (fn, shape[1:]), f"world_size={world_size}",
+            _row_parallel_in_rank, world_size, (fn, shape[1:], seed), label,
             timeout=2 * runner.HANG_TIMEOUT_S,
             never_finished="they wait in a collective another rank never joined: every rank must make the "
                            "same collective calls, with tensors of the same size",
@@ -134,9 +146,8 @@ def check_row_parallel(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, b
         for sequence_parallel in (False, True):
             for rank, result in enumerate(results):
                 problem = _row_parallel_problem(result[sequence_parallel], rank, world_size, shape,
-                                                sequence_parallel, wants[shape])
+                                                sequence_parallel, wants[shape, seed])
                 if problem:
-                    check.problems.append(f"world_size={world_size}, sequence_parallel={sequence_parallel}, "
-                                    f"rank {rank}: {problem}")
+                    check.problems.append(f"{label}, sequence_parallel={sequence_parallel}, rank {rank}: {problem}")
                     break
     return check.verdict()

@@ -5,6 +5,10 @@ report. `difference(expected, got)` is the single comparison of an expected valu
 learner's code returned (numbers, tensors, lists of them; exact, or within a tolerance): None
 when they agree, else one short sentence naming the first thing that differs (type, length,
 shape, dtype, or the element with its index). `close` and `near` are its yes/no forms.
+
+It compares exact types only: `==` between Python's own numbers and strings, element by element
+between plain `torch.Tensor`s. What a rank sent that is not plain data (`plain.Foreign`), or a
+value of any other type, differs from everything, whatever its own `==` or `!=` would say.
 """
 from __future__ import annotations
 
@@ -13,6 +17,8 @@ import textwrap
 from typing import Any
 
 import torch
+
+from .plain import Foreign
 
 
 class Verdict:
@@ -48,7 +54,17 @@ def _index(i: int, shape) -> Any:
 
 
 def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    return type(x) in (int, float)
+
+
+def _plain_types(x) -> bool:
+    return type(x) in (int, float, bool, str, bytes, type(None))
+
+
+def _what(got) -> str:
+    """What a value is, for "expected ..., got <what>": a type's name, or 'an X object' for what a
+    rank sent that is not plain data."""
+    return got.describe() if isinstance(got, Foreign) else type(got).__name__
 
 
 def difference(expected, got, *, rtol: float = 0.0, atol: float = 0.0, dtype: bool = False,
@@ -60,22 +76,24 @@ def difference(expected, got, *, rtol: float = 0.0, atol: float = 0.0, dtype: bo
     `dtype`), then element ("element (2, 0): expected 5, got 0"). `zero`, if given, names what an
     expected 0 is (e.g. "padding")."""
     if isinstance(expected, (list, tuple)):
-        if not isinstance(got, (list, tuple)) or len(got) != len(expected):
-            return f"expected a list of {len(expected)} tensors, got {type(got).__name__}" + (
-                f" of length {len(got)}" if isinstance(got, (list, tuple)) else "")
+        if type(got) not in (list, tuple) or len(got) != len(expected):
+            return f"expected a list of {len(expected)} tensors, got {_what(got)}" + (
+                f" of length {len(got)}" if type(got) in (list, tuple) else "")
         for i, (e, g) in enumerate(zip(expected, got)):
             problem = difference(e, g, rtol=rtol, atol=atol, dtype=dtype, zero=zero)
             if problem:
                 return f"item {i}: {problem}"
         return None
     if isinstance(expected, torch.Tensor):
-        if not isinstance(got, torch.Tensor):
-            return f"expected a tensor, got {type(got).__name__}"
+        if type(got) is not torch.Tensor:
+            return f"expected a tensor, got {_what(got)}"
         if tuple(got.shape) != tuple(expected.shape):
             return f"expected shape {tuple(expected.shape)}, got {tuple(got.shape)}"
         if dtype and got.dtype != expected.dtype:
             return f"expected dtype {expected.dtype}, got {got.dtype}"
         want, have = expected.detach().flatten(), got.detach().flatten()
+        if not (rtol or atol) and want.dtype == have.dtype and torch.equal(want, have):
+            return None
         if rtol or atol:
             want, have = want.double(), have.double()
             wrong = ~((have - want).abs() <= atol + rtol * want.abs())
@@ -88,11 +106,15 @@ def difference(expected, got, *, rtol: float = 0.0, atol: float = 0.0, dtype: bo
             note = f" ({zero})" if zero and w == 0 else ""
             return f"element {_index(i, expected.shape)}: expected {w:g}{note}, got {g:g}"
         return None
-    if _is_number(expected) and _is_number(got) and (rtol or atol):
-        if math.isclose(got, expected, rel_tol=rtol, abs_tol=atol):
+    if _is_number(expected) and _is_number(got):
+        if math.isclose(got, expected, rel_tol=rtol, abs_tol=atol) if (rtol or atol) else got == expected:
             return None
-        return f"expected {expected:g}, got {got:g}"
-    return None if got == expected else f"expected {expected!r}, got {got!r}"
+        return f"expected {expected:g}, got {got:g}" if (rtol or atol) else f"expected {expected!r}, got {got!r}"
+    if isinstance(got, Foreign):
+        return f"expected {expected!r}, got {got.describe()}"
+    if _plain_types(expected) and type(got) is type(expected) and got == expected:
+        return None
+    return f"expected {expected!r}, got {got!r}"
 
 
 def close(expected, got, *, rtol: float = 0.0, atol: float = 0.0) -> bool:

@@ -1,7 +1,9 @@
 """Checker for notebook 00's exercise (re-exported by `ddp_helpers.exercises`): the slowest rank.
 
 The learner's function runs on 2, 3 and 4 Gloo ranks with every collective noted
-(`spies.noting_calls`): each rank's answer, and the collectives each rank called.
+(`spies.noting_calls`): each rank's answer, and the collectives each rank called. After the public
+cases, one drawn at random when the checker runs (`runner.unseen`): an answer that looks the public
+times up fails it.
 """
 from __future__ import annotations
 
@@ -21,6 +23,15 @@ __all__ = ["check_slowest_rank", "SLOWEST_RANK_CASES"]
 # Each case: the seconds every rank measured (rank r holds entry r). The last has a tie: two ranks
 # share the slowest time, and the lower rank number is the answer.
 SLOWEST_RANK_CASES = [(0.25, 0.75), (0.5, 0.125, 0.375), (0.41, 0.12, 0.77, 0.35), (0.3, 0.9, 0.2, 0.9)]
+
+
+def _draw_case(rng):
+    """2 to 4 ranks' times, in hundredths of a second, with a tie for the slowest half the time."""
+    times = [rng.randrange(1, 100) / 100 for _ in range(rng.randint(2, 4))]
+    if rng.random() < 0.5:
+        slowest = times.index(max(times))
+        times[rng.choice([r for r in range(len(times)) if r != slowest])] = max(times)
+    return tuple(times)
 
 
 def _slowest_in_rank(fn, seconds_per_rank):
@@ -54,12 +65,13 @@ def check_slowest_rank(fn: Callable[[torch.Tensor], tuple[float, int]]) -> Verdi
     only (at most 2 calls). Checked on 2, 3 and 4 ranks, one case with a tie: each rank's answer and
     the collectives each rank called."""
     title = "slowest_rank"
-    wants = {seconds: _expected(seconds) for seconds in SLOWEST_RANK_CASES}
+    unseen = runner.unseen(_draw_case)
+    wants = {seconds: _expected(seconds) for seconds in SLOWEST_RANK_CASES + unseen}
     check = runner.Checker(title, fn)
     problems = check.problems
-    for seconds_per_rank in check.each(SLOWEST_RANK_CASES):
+    for seconds_per_rank in check.each(SLOWEST_RANK_CASES, unseen):
         world_size = len(seconds_per_rank)
-        label = f"world_size={world_size}, seconds={list(seconds_per_rank)}"
+        label = check.label(f"world_size={world_size}, seconds={list(seconds_per_rank)}")
         results = check.run(
             _slowest_in_rank, world_size, (fn, seconds_per_rank), label,
             never_finished="they wait in a collective that another rank never calls. Is a collective "
