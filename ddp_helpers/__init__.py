@@ -1,14 +1,14 @@
 """Helpers for the hands-on distributed PyTorch notebooks.
 
     from ddp_helpers import launch, spawn
-    %load_ext ddp_helpers      # in a notebook: the %%ddp cell magic
+    %load_ext ddp_helpers      # in a notebook: the %%ddp cell magic (%unload_ext ddp_helpers undoes it)
 """
 from .runtime import forkserver as _forkserver
 
 if _forkserver.start_at_import():  # first, so that it imports torch while this kernel does too
     _forkserver.start()
 
-__all__ = ["launch", "spawn", "WorkerError", "WorkerTimeout", "load_ipython_extension"]
+__all__ = ["launch", "spawn", "WorkerError", "WorkerTimeout", "load_ipython_extension", "unload_ipython_extension"]
 
 
 def __getattr__(name):
@@ -25,3 +25,17 @@ def load_ipython_extension(ipython):
     from .tutorials import enable
     register(ipython)
     enable()   # PyTorch's tutorials' mp.spawn / mp.Process lines run as written (tutorials.disable() undoes it)
+
+
+def unload_ipython_extension(ipython):
+    """`%unload_ext ddp_helpers`: stop the warm pool, remove %ddp/%%ddp, and put torch.multiprocessing
+    back as torch ships it (`tutorials.disable()`); `%load_ext ddp_helpers` sets it all up again."""
+    from . import tutorials
+    from .magic import unregister
+    try:
+        unregister(ipython)
+    finally:
+        tutorials.disable()
+        after_cell = getattr(tutorials, "_after_cell", None)   # enable()'s hook; enable() adds it again
+        if after_cell in ipython.events.callbacks.get("post_run_cell", []):
+            ipython.events.unregister("post_run_cell", after_cell)

@@ -23,15 +23,18 @@ How it works, and why:
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import pickle
+import re
 import time
 from collections.abc import Callable, Sequence
 
 import torch.distributed as dist
 
 from . import compat, machine
-from .runtime import private_net
+from .runtime import PACKAGE_DIR, private_net
 from .runtime.cells import dumps, dumps_with_sources
 from .runtime.run_dirs import rank_file
 from .runtime.supervisor import Supervisor, describe_exit, interrupted
@@ -41,7 +44,11 @@ BACKENDS = ("gloo", "nccl", "auto")
 MAX_WORLD_SIZE = 64          # one machine; past this use torchrun across nodes
 MAX_TIMEOUT_S = 30 * 24 * 3600   # 30 days; far larger ones overflow torch's timeouts in the workers
 LEFT_EARLY_GRACE_S = 10     # init=False: how long the others may wait for a rank that left without joining
+MAX_SEED = 2**63 - 1         # a rank's torch seed is seed + rank, and torch takes 64-bit seeds
 INTERRUPTED = "interrupted; the ranks were stopped (nothing is left running)."
+# What the launcher sets in every rank, as torchrun does: refused in env= (see check_env).
+TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                      "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
 
 
 class WorkerError(RuntimeError):
@@ -65,16 +72,19 @@ class WorkerError(RuntimeError):
 
 
 class WorkerTimeout(WorkerError, TimeoutError):
-    """Workers did not finish in time. `unfinished_ranks` lists those still running."""
+    """Workers did not finish in time. `unfinished_ranks` lists those still running;
+    `in_collective` maps those whose stack was inside torch.distributed to the function there."""
 
-    def __init__(self, message: str, unfinished_ranks: list[int], log_dir: str | None = None) -> None:
+    def __init__(self, message: str, unfinished_ranks: list[int], log_dir: str | None = None,
+                 in_collective: dict[int, str] | None = None) -> None:
         super().__init__(message, log_dir=log_dir)
         self.unfinished_ranks = unfinished_ranks
+        self.in_collective = in_collective or {}
 
 
 def launch(fn: Callable, world_size: int = 2, backend: str = "gloo", args: Sequence = (),
            kwargs: dict | None = None, timeout: float = 120, init: bool = True,
-           env: dict[str, str] | None = None, quiet: bool = False) -> list:
+           env: dict[str, str] | None = None, quiet: bool = False, seed: int | None = None) -> list:
     """Run `fn(*args, **kwargs)` on `world_size` new processes; return a list of results by rank.
 
     backend: "gloo" (CPU, always there), "nccl" (one CUDA GPU per rank), or
@@ -82,19 +92,25 @@ def launch(fn: Callable, world_size: int = 2, backend: str = "gloo", args: Seque
     timeout: seconds until every worker is stopped and `WorkerTimeout` is raised.
     init:    call `init_process_group` before `fn` and `destroy_process_group`
              after it; with False, `fn` does it itself (e.g. to try `tcp://`).
-    env:     extra environment variables for the workers (e.g. {"NCCL_DEBUG": "INFO"}).
+    env:     extra environment variables for the workers (e.g. {"NCCL_DEBUG": "INFO"}); not
+             the ones the launcher sets, as torchrun does (RANK, WORLD_SIZE, MASTER_PORT, ...).
     quiet:   do not print worker output in the cell (it still goes to the log).
+    seed:    None (default): each rank's torch, NumPy and `random` start from fresh entropy, as in
+             a process torchrun starts: different on every rank and in every launch. A whole
+             number (0 to 2**63 - 1): rank r is seeded with seed + r, so the ranks still differ
+             from each other, and a re-run draws the same numbers again.
     """
     world_size = check_world_size(world_size)
     backend = resolve_backend(backend, world_size)
     timeout = check_timeout(timeout)
+    seed = check_seed(seed)
     payload, cell_sources = pickle_job(fn, args, kwargs)
     extra_env = check_env(env)
     try:
         with Supervisor(world_size, quiet, extra_env) as ranks:
             job = WorkerJob(payload=payload, world_size=world_size, backend=backend, init=init,
                             pg_timeout_s=timeout, run_dir=ranks.run_dir, env=ranks.env,
-                            launcher_pid=os.getpid(), cell_sources=cell_sources)
+                            launcher_pid=os.getpid(), cell_sources=cell_sources, seed=seed)
             ranks.start(run_worker, (job,))
             return _outcome(ranks, timeout, quiet, _hint_for(fn, world_size))
     except KeyboardInterrupt:
@@ -103,7 +119,7 @@ def launch(fn: Callable, world_size: int = 2, backend: str = "gloo", args: Seque
 
 def spawn(fn: Callable, args: Sequence = (), nprocs: int = 1, join: bool = True, daemon: bool = False,
           start_method: str = "spawn", *, backend: str = "gloo", timeout: float = 120, init: bool = True,
-          env: dict[str, str] | None = None, quiet: bool = False) -> list:
+          env: dict[str, str] | None = None, quiet: bool = False, seed: int | None = None) -> list:
     """Run `fn(rank, *args)` on `nprocs` ranks, as `torch.multiprocessing.spawn` does; return
     a list of results by rank (what `launch` returns; mp.spawn itself returns None).
 
@@ -124,7 +140,8 @@ def spawn(fn: Callable, args: Sequence = (), nprocs: int = 1, join: bool = True,
     init:    as in `launch`: True forms the process group before `fn` (unlike mp.spawn); with
              False `fn` calls `init_process_group` itself (RANK, WORLD_SIZE, MASTER_ADDR and
              MASTER_PORT are set for it, so `init_process_group("gloo")` finds them).
-    backend: as in `launch`; so are `timeout`, `env` and `quiet`.
+    backend: as in `launch`; so are `timeout`, `env`, `quiet` and `seed` (None: fresh random
+             state in each rank; an int: rank r seeded with seed + r).
     """
     if join is not True:
         raise ValueError(f"spawn(join={join!r}) is not supported: it always waits for the ranks "
@@ -133,9 +150,10 @@ def spawn(fn: Callable, args: Sequence = (), nprocs: int = 1, join: bool = True,
         raise TypeError(f"args must be a tuple, got {type(args).__name__}")
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    check_world_size(nprocs, "nprocs")
     try:
         return launch(_call_with_rank, world_size=nprocs, backend=backend, args=(fn, *args),
-                      timeout=timeout, init=init, env=env, quiet=quiet)
+                      timeout=timeout, init=init, env=env, quiet=quiet, seed=seed)
     except WorkerError as exc:
         hint = _hint_for(fn, nprocs, spawned=True)(exc.exc_type, exc.exc_message)
         if hint:
@@ -186,12 +204,29 @@ def _insert_hint(message, hint):
 
 
 # ---------------------------------------------------------------- input checks
-def check_world_size(world_size: int) -> int:
+def check_world_size(world_size: int, name: str = "world_size") -> int:
     if isinstance(world_size, bool) or not isinstance(world_size, int):
-        raise TypeError(f"world_size must be an int, got {world_size!r} ({type(world_size).__name__})")
+        raise TypeError(f"{name} must be an int, got {world_size!r} ({type(world_size).__name__})")
     if not 1 <= world_size <= MAX_WORLD_SIZE:
-        raise ValueError(f"world_size must be between 1 and {MAX_WORLD_SIZE} on one machine, got {world_size}")
+        raise ValueError(f"{name} must be between 1 and {MAX_WORLD_SIZE} on one machine, got {world_size}"
+                         + (f". {NO_GPU_ZERO}" if world_size == 0 else ""))
     return world_size
+
+
+# Where a 0 usually comes from: a tutorial's `world_size = torch.cuda.device_count()`.
+NO_GPU_ZERO = ("A 0 usually comes from torch.cuda.device_count() on a machine without a GPU: "
+               "use a number of CPU ranks instead, e.g. 2, with backend='gloo'")
+
+
+def check_seed(seed: int | None) -> int | None:
+    """None, or a whole number from 0 to MAX_SEED (each rank's torch seed is seed + rank)."""
+    if seed is None:
+        return None
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be None or a whole number, got {seed!r} ({type(seed).__name__})")
+    if not 0 <= seed <= MAX_SEED - MAX_WORLD_SIZE:
+        raise ValueError(f"seed must be between 0 and {MAX_SEED - MAX_WORLD_SIZE} (2**63 - 65), got {seed}")
+    return seed
 
 
 def resolve_backend(backend: str, world_size: int) -> str:
@@ -243,11 +278,27 @@ def check_timeout(timeout: float) -> float:
 
 
 def check_env(env: dict[str, str] | None) -> dict[str, str]:
+    """The extra environment for the ranks: strings only, and none of the variables the launcher
+    sets in each rank as torchrun does (one there made the ranks wait for ranks that never come)."""
     env = dict(env or {})
     bad = {k: v for k, v in env.items() if not isinstance(k, str) or not isinstance(v, str)}
     if bad:
         raise TypeError(f"env keys and values must be strings, got {bad!r}")
+    for name in env:
+        if name in TORCHRUN_VARIABLES or name.startswith("TORCHELASTIC_"):
+            raise ValueError(f"env={{{name!r}: ...}}: the launcher sets {name} in every rank, as torchrun "
+                             f"does ({_set_by_the_launcher(name)}); leave it out of env")
     return env
+
+
+def _set_by_the_launcher(name):
+    if name.endswith("WORLD_SIZE"):
+        return "the number of ranks is world_size= (nprocs= for spawn, -n for %%ddp)"
+    if name.endswith("RANK"):
+        return "each rank gets its own, 0 to world_size - 1"
+    if name.startswith("MASTER_"):
+        return "each launch has a rendezvous store of its own, on a port the OS picks"
+    return "torchrun's own bookkeeping"
 
 
 # ------------------------------------------------------------- what happened
@@ -276,21 +327,12 @@ def _outcome(ranks, timeout, quiet, hint=None):
 
     outcome, detail = ranks.wait_for_exits(time.monotonic() + timeout, finished=finished, check=left_early)
     if outcome == "timeout":
-        ranks.dump_stacks(detail)
+        stacks = stacks_of(ranks, detail)
         ranks.stop()
         done = [r for r in range(n) if r not in detail]
-        where = "in the logs" if quiet else "printed above"
-        waiting = _waiting_in_rendezvous(run_dir, detail)
-        if waiting:
-            why = (f"rank(s) {sorted(waiting)} were still in init_process_group, waiting for the "
-                   f"rendezvous at {', '.join(sorted(set(waiting.values())))}: nobody serves it, or not "
-                   "every rank joined it")
-        else:
-            why = "A rank waiting in a collective for a rank that never calls it waits forever"
-        raise WorkerTimeout(
-            f"timed out after {timeout:g} s: rank(s) {detail} had not finished "
-            f"(finished: {done or 'none'}). {why}; their stacks are {where}. Logs: {run_dir}",
-            unfinished_ranks=detail, log_dir=run_dir)
+        raise timeout_error(timeout, detail, stacks, run_dir, finished=done,
+                            where="in the logs" if quiet else "printed above",
+                            rendezvous=_waiting_in_rendezvous(run_dir, detail))
     if outcome == "failed":
         gone = ranks.gone()   # ended, their status not in yet: noted before stop() ends every rank
         ranks.stop()   # the others; what they printed last comes first
@@ -352,6 +394,113 @@ def _describe_exit(run_dir, rank, exitcode, record):
     if exitcode == 0:
         return "exited with code 0 before returning a value (sys.exit or os._exit inside the function?)"
     return describe_exit(exitcode)
+
+
+# ---------------------------------------------------------------- timeouts
+# What the time limit is called where the learner set it: `timeout=` (launch, spawn, the pool's
+# methods) unless a caller says otherwise (`timeout_called("-t")`: the %%ddp magic).
+_TIMEOUT_NAME = contextvars.ContextVar("ddp_helpers_timeout_name", default="timeout=")
+
+
+@contextlib.contextmanager
+def timeout_called(name: str):
+    """Inside this block a WorkerTimeout names the time limit `name` (e.g. "-t" for %%ddp)."""
+    token = _TIMEOUT_NAME.set(name)
+    try:
+        yield
+    finally:
+        _TIMEOUT_NAME.reset(token)
+
+
+def _setting(name, seconds):
+    """How the learner writes the limit: `timeout=120`, `start_timeout=60`, `-t 120`."""
+    return f"{name}{seconds:g}" if name.endswith("=") else f"{name} {seconds:g}"
+
+
+def stacks_of(ranks, unfinished: list[int]) -> dict[int, str]:
+    """Ask the unfinished ranks where they are (`Supervisor.dump_stacks`: printed in the cell unless
+    quiet, and in their logs); return what each printed then, read back from its log."""
+    logs = {r: rank_file(ranks.run_dir, r, "log") for r in unfinished}
+    sizes = {}
+    for r, path in logs.items():
+        try:
+            sizes[r] = os.path.getsize(path)
+        except OSError:
+            sizes[r] = None
+    ranks.dump_stacks(unfinished)
+    stacks = {}
+    for r, path in logs.items():
+        try:
+            with open(path, "rb") as f:
+                f.seek(sizes[r] or 0)
+                stacks[r] = f.read().decode("utf-8", "replace")
+        except OSError:
+            stacks[r] = ""
+    return stacks
+
+
+_THREAD_HEADER = re.compile(r"^(?:Current thread|Thread) 0x[0-9a-fA-F]+.*\(most recent call first\):\s*$")
+_FRAME_LINE = re.compile(r'^\s+File "(?P<file>.*)", line \d+ in (?P<name>\S+)')
+_TORCH_DISTRIBUTED = os.path.dirname(dist.__file__) + os.sep
+
+
+def waiting_in(stack: str) -> str | None:
+    """From one rank's faulthandler dump: the torch.distributed function (a collective, a
+    rendezvous) that one of its threads is inside, "" when none is (the rank runs code of its own:
+    a sleep, a long computation), None when there is no dump to read."""
+    innermost, expecting, seen = [], False, False
+    for line in stack.splitlines():
+        if _THREAD_HEADER.match(line):
+            expecting = seen = True
+            continue
+        frame = _FRAME_LINE.match(line)
+        if frame and expecting:   # a thread's first frame is its innermost one
+            innermost.append((frame["file"], frame["name"]))
+            expecting = False
+    if not seen:
+        return None
+    for file, name in innermost:
+        if file.startswith(_TORCH_DISTRIBUTED) or f"{os.sep}torch{os.sep}distributed{os.sep}" in file:
+            return name
+        if file.startswith(PACKAGE_DIR) and name == "wait_for_every_rank":
+            return "init_process_group"   # the launcher's own wait for every rank to join
+    return ""
+
+
+def timeout_error(timeout: float, unfinished: list[int], stacks: dict[int, str], log_dir: str, *,
+                  finished: list[int] | None = None, where: str = "printed above",
+                  rendezvous: dict[int, str] | None = None, after: str = "",
+                  name: str | None = None) -> WorkerTimeout:
+    """The WorkerTimeout for ranks that had not finished after `timeout` seconds. It names the time
+    limit as the learner set it, and blames a collective only when a rank's stack is in one."""
+    name = name or _TIMEOUT_NAME.get()
+    limit = _setting(name, timeout)
+    more = ("%%ddp " if name.startswith("-") else "") + _setting(name, 2 * timeout)   # "%%ddp -t 240"
+    head = f"timed out after {timeout:g} s ({limit}): rank(s) {unfinished} had not finished"
+    if finished is not None:
+        head += f" (finished: {finished or 'none'})"
+    places = {r: waiting_in(stacks.get(r, "")) for r in unfinished}
+    in_collective = {r: place for r, place in places.items() if place}
+    if rendezvous:
+        why = (f"rank(s) {sorted(rendezvous)} were still in init_process_group, waiting for the "
+               f"rendezvous at {', '.join(sorted(set(rendezvous.values())))}: nobody serves it, or not "
+               f"every rank joined it; their stacks are {where}.")
+    elif in_collective:
+        who = ", ".join(f"rank {r} was waiting in {place} (torch.distributed)" if place else
+                        f"rank {r} in your own code" if place == "" else f"rank {r}: no stack came back"
+                        for r, place in sorted(places.items()))
+        why = (f"Where they were: {who}. A rank waiting in a collective for a rank that never calls it "
+               f"waits forever, so look for a rank that skipped it; their stacks are {where}. If it only "
+               f"needs more time, raise the limit (e.g. {more}).")
+    elif places and all(place == "" for place in places.values()):
+        why = (f"Their stacks ({where}) are in your own code, none waiting for another rank: it needs "
+               f"more time than {limit} gives. Raise the limit (e.g. {more}), or give it less to do.")
+    else:
+        why = (f"Their stacks are {where}. A rank waiting in a collective for a rank that never calls it "
+               f"waits forever; if the work only needs more time, raise the limit (e.g. {more}).")
+    tail = f" {after}" if after else ""
+    return WorkerTimeout(f"{head}. {why}{tail} Logs: {log_dir}", unfinished_ranks=unfinished,
+                         log_dir=log_dir, in_collective=in_collective)
 
 
 def _waiting_in_rendezvous(run_dir, ranks):

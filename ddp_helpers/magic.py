@@ -42,6 +42,22 @@ lines. Figures and `display` work in `launch`'s ranks too.
     %%ddp --tabs                # each rank's printed output on a tab of its own (ipywidgets)
     print(f"rank {rank} has {len(shard)} samples")
 
+    %%ddp --seed 0              # rank r draws from seed + r: the same numbers at every run
+    x = torch.rand(2)
+
+Without `--seed`, each rank's random state is its own, from fresh entropy, as in a process that
+torchrun starts (different on every rank, and in every run). `%ddp start --seed 0` seeds the pool's
+ranks as they start.
+
+The cell runs as a script's top level does under torchrun: `__name__` is "__main__", so a pasted
+script's `if __name__ == "__main__":` block runs on every rank (its `init_process_group` keeps the
+group the ranks have; see `tutorials`), and `sys.argv` holds no arguments (the kernel's own would
+reach its argparse). A script whose main calls `mp.spawn` starts ranks of its own: run such a cell
+without %%ddp (after `%load_ext ddp_helpers` mp.spawn starts the ranks from the notebook).
+
+A cell that runs past `-t` (120 s by default) is stopped; the error says whether the ranks were
+waiting in a collective (a rank that never calls it) or still in their own code (raise `-t`).
+
 A rank has no stdin: `input()` raises `runtime.rank_io.NoStdin` (an EOFError) at once. Read the value in
 the notebook first (the cell takes the notebook variables it uses), or `%ddp push` it.
 
@@ -54,12 +70,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import re
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from .launcher import WorkerError, check_timeout, check_world_size, launch, resolve_backend
+from .launcher import (NO_GPU_ZERO, WorkerError, check_seed, check_timeout, check_world_size, launch,
+                       resolve_backend, timeout_called)
 from .pool import Pool
 from .runtime.cells import PerRank, globals_to_send
 from .runtime.output import output_sink
@@ -76,8 +94,18 @@ def _positive_int(text: str) -> int:
     except ValueError:
         raise argparse.ArgumentTypeError(f"the number of ranks must be a whole number, got {text!r}") from None
     if value < 1:
-        raise argparse.ArgumentTypeError(f"the number of ranks must be at least 1, got {value}")
+        raise argparse.ArgumentTypeError(f"the number of ranks must be at least 1, got {value}"
+                                         + (f". {NO_GPU_ZERO}" if value == 0 else ""))
     return value
+
+
+def _seed(text: str) -> int:
+    """--seed: a whole number, 0 or more (launch.check_seed's range)."""
+    try:
+        return check_seed(int(text))
+    except (TypeError, ValueError) as exc:
+        message = str(exc) if "seed must be" in str(exc) else f"seed must be a whole number, got {text!r}"
+        raise argparse.ArgumentTypeError(message) from None
 
 
 def _rank_list(text: str) -> list[int]:
@@ -121,11 +149,13 @@ class DDPMagics(Magics):
     @argument("-r", "--ranks", type=_rank_list, default=None,
               help="%%%%ddp on a warm pool: run the cell on these ranks only, e.g. 0,2 (no collectives)")
     @argument("--tabs", action="store_true", help="%%%%ddp: each rank's output on a tab of its own")
+    @argument("--seed", type=_seed, default=None,
+              help="seed rank r's torch, NumPy and random with SEED + r first (default: fresh entropy)")
     @argument("command", nargs="*",
               help="%%ddp only: start, stop, status, push NAME [NAME ...] or pull NAME")
     def ddp(self, line: str, cell: str | None = None) -> PerRank | None:
-        """%%ddp [-n N] [-b BACKEND] [-t SECONDS] [-o NAME] [-r RANKS] [--tabs]: run this cell on every rank.
-        %ddp start|stop|status|push NAMES|pull NAME: manage a warm pool of ranks."""
+        """%%ddp [-n N] [-b BACKEND] [-t SECONDS] [-o NAME] [-r RANKS] [--tabs] [--seed N]: run this cell
+        on every rank. %ddp start [--seed N]|stop|status|push NAMES|pull NAME: manage a warm pool of ranks."""
         opts = _checked(parse_argstring(self.ddp, line))
         if cell is None:
             return self._line(opts)
@@ -148,14 +178,15 @@ class DDPMagics(Magics):
             ranks = list(range(opts.nprocs or 2))
         DDPMagics._cells_run += 1
         filename = f"<ddp-cell-{DDPMagics._cells_run}>"
-        with output_sink(TabSink(ranks)) if opts.tabs else contextlib.nullcontext():
+        with (output_sink(TabSink(ranks)) if opts.tabs else contextlib.nullcontext(),
+              timeout_called("-t"), _hint_for_nested_spawn()):
             if pool is not None:
                 values = pool.run_cell(cell, self.shell.user_ns, filename, timeout=opts.timeout,
-                                       ranks=opts.ranks)
+                                       ranks=opts.ranks, seed=opts.seed)
             else:
                 sent = globals_to_send(cell, self.shell.user_ns)
                 values = PerRank.of(launch(run_cell, world_size=len(ranks), backend=opts.backend or "gloo",
-                                           args=(cell, sent, filename), timeout=opts.timeout))
+                                           args=(cell, sent, filename), timeout=opts.timeout, seed=opts.seed))
         if opts.out:
             self.shell.user_ns[opts.out] = values
         return values
@@ -167,11 +198,13 @@ class DDPMagics(Magics):
                              "(and %%ddp, with two %, to run a cell)")
         if names and command in ("start", "stop", "status"):
             raise UsageError(f"%ddp {command} takes no names, got {' '.join(names)!r}")
+        if opts.seed is not None and command != "start":
+            raise UsageError(f"--seed goes with %%ddp or %ddp start, not %ddp {command}")
         if command == "start":
             if DDPMagics.pool is not None:
                 DDPMagics.pool.stop()
                 DDPMagics.pool = None
-            DDPMagics.pool = Pool(world_size=opts.nprocs or 2, backend=opts.backend or "gloo")
+            DDPMagics.pool = Pool(world_size=opts.nprocs or 2, backend=opts.backend or "gloo", seed=opts.seed)
             print(f"ddp pool: {DDPMagics.pool.world_size} ranks ready ({DDPMagics.pool.backend}). "
                   "%%ddp cells now run on them; `%ddp stop` ends them.")
             return None
@@ -191,7 +224,10 @@ class DDPMagics(Magics):
             if not names or missing:
                 raise UsageError("%ddp push NAME [NAME ...]: not defined in the notebook: "
                                  f"{missing or 'no names given'}")
-            pool.push(**{n: self.shell.user_ns[n] for n in names})
+            try:
+                pool.push(**{n: self.shell.user_ns[n] for n in names})
+            except TypeError as exc:
+                raise UsageError(f"%ddp push: {exc}") from None
         else:
             if len(names) != 1:
                 raise UsageError(f"%ddp pull NAME: one variable name, got {names}")
@@ -205,5 +241,38 @@ class DDPMagics(Magics):
         return None
 
 
+@contextlib.contextmanager
+def _hint_for_nested_spawn():
+    """A cell whose code calls mp.spawn (a pasted script's main) would start ranks inside each rank:
+    its error (the function cannot be pickled there) gets a line that says what to do instead."""
+    try:
+        yield
+    except WorkerError as exc:
+        if _NESTED_SPAWN.search(exc.remote_traceback or ""):
+            named = re.search(r"<function (\w+)", exc.exc_message or "")
+            first, _, rest = str(exc).partition("\n")
+            hint = NESTED_SPAWN_HINT.format(fn=named[1] if named else "demo")
+            exc.args = (f"{first}\n{hint}\n{rest}",)
+        raise
+
+
+_NESTED_SPAWN = re.compile(r"torch[/\\]multiprocessing[/\\]spawn\.py\", line \d+, in (spawn|start_processes)")
+NESTED_SPAWN_HINT = ("mp.spawn inside a %%ddp cell would start ranks within each rank, which already runs the cell: "
+                     "run this cell without %%ddp (after %load_ext ddp_helpers mp.spawn starts the ranks), "
+                     "or call the function directly, e.g. {fn}(rank, world_size)")
+
+
 def register(ipython) -> None:
     ipython.register_magics(DDPMagics)
+
+
+def unregister(ipython) -> None:
+    """Undo `register`: stop the warm pool, if one runs, and remove %ddp and %%ddp."""
+    if DDPMagics.pool is not None:
+        pool, DDPMagics.pool = DDPMagics.pool, None
+        pool.stop()
+    manager = ipython.magics_manager
+    for kind in ("line", "cell"):
+        if getattr(manager.magics[kind].get("ddp"), "__self__", None).__class__ is DDPMagics:
+            del manager.magics[kind]["ddp"]
+    manager.registry.pop(DDPMagics.__name__, None)

@@ -30,9 +30,9 @@ from collections.abc import Callable, Iterable
 import cloudpickle
 import psutil
 
-from .launcher import (WorkerError, WorkerTimeout, check_env, check_timeout, check_world_size,
-                       error_from_record, resolve_backend)
-from .runtime.cells import PerRank, dumps_with_sources, globals_to_send
+from .launcher import (WorkerError, check_env, check_seed, check_timeout, check_world_size,
+                       error_from_record, resolve_backend, stacks_of, timeout_error)
+from .runtime.cells import PerRank, dumps, dumps_with_sources, globals_to_send
 from .runtime.protocol import Call, Exec, Pull, Push, Reply, Request, Stop
 from .runtime.serve import serve
 from .runtime.supervisor import Supervisor, describe_exit, interrupted
@@ -47,11 +47,14 @@ class Pool:
     """`world_size` warm ranks on this machine. See the module docstring."""
 
     def __init__(self, world_size: int = 2, backend: str = "gloo", env: dict[str, str] | None = None,
-                 start_timeout: float = 60) -> None:
+                 start_timeout: float = 60, seed: int | None = None) -> None:
+        """seed: the ranks' random state as they start (and start again after a reset): None, fresh
+        entropy in each rank; a whole number, rank r seeded with seed + r (see `launch`)."""
         self.world_size = check_world_size(world_size)
         self.backend = resolve_backend(backend, self.world_size)
         self.env = check_env(env)
         self.start_timeout = check_timeout(start_timeout)
+        self.seed = check_seed(seed)
         self._ranks = None           # the Supervisor while running; None: stopped or discarded
         self._conns = []
         self._stopped = False
@@ -61,20 +64,26 @@ class Pool:
 
     # ------------------------------------------------------------ public API
     def run_cell(self, source: str, user_ns: dict | None = None, filename: str = "<ddp-cell>",
-                 timeout: float = 120, ranks: Iterable[int] | None = None) -> PerRank | None:
+                 timeout: float = 120, ranks: Iterable[int] | None = None,
+                 seed: int | None = None) -> PerRank | None:
         """Run `source` on every rank (or on `ranks` only), in that rank's namespace; return each
         rank's value of the last expression (None when the cell ends in a statement everywhere).
 
         On some ranks only, a collective (or a send/recv) that needs another rank raises
         `runtime.rank_io.CollectiveOutsideRanks` in the rank that calls it, before it starts: those ranks
-        would never join. The pool stays as it was."""
+        would never join. The pool stays as it was.
+
+        seed: None keeps each rank's random state as the earlier cells left it; a whole number
+        reseeds rank r with seed + r first (torch, NumPy, `random`), so the cell draws the same
+        numbers each time it runs (`%%ddp --seed N`)."""
+        seed = check_seed(seed)
         ranks = self.check_ranks(ranks)
         sent = globals_to_send(source, user_ns or {})
         only = None if ranks == list(range(self.world_size)) else ranks
         if only is not None and self._ranks is not None and not self._sees_collectives:
             _notice(f"this torch does not show the ranks their collectives: one in a cell on ranks {ranks} "
                     f"would wait until the timeout ({timeout:g} s).")
-        values = self._request(Exec(source, sent, filename, only), timeout, ranks)
+        values = self._request(Exec(source, sent, filename, only, seed=seed), timeout, ranks)
         return PerRank.of(values, ranks)
 
     def check_ranks(self, ranks: Iterable[int] | None) -> list[int]:
@@ -95,12 +104,15 @@ class Pool:
                              f"({' or '.join(map(str, range(self.world_size)))})")
         return ranks
 
-    def run(self, fn: Callable, *args, timeout: float = 120, **kwargs) -> list:
-        """Call `fn(*args, **kwargs)` on every rank; return the results by rank."""
-        return self._request(Call(fn, args, kwargs), timeout)
+    def run(self, fn: Callable, *args, timeout: float = 120, seed: int | None = None, **kwargs) -> list:
+        """Call `fn(*args, **kwargs)` on every rank; return the results by rank. `timeout` and `seed`
+        are the pool's own (as in `run_cell`), not passed to `fn`."""
+        seed = check_seed(seed)
+        return self._request(Call(fn, args, kwargs, seed=seed), timeout)
 
     def push(self, **values) -> None:
-        """Set variables in every rank's namespace."""
+        """Set variables in every rank's namespace. A value that cannot travel (a lock, an open
+        file, a generator) is a TypeError naming it, and nothing is sent."""
         self._request(Push(values), timeout=60)
 
     def pull(self, name: str) -> PerRank:
@@ -146,7 +158,7 @@ class Pool:
         pipes = [multiprocessing.Pipe() for _ in range(n)]
         job = WorkerJob(payload=b"", world_size=n, backend=self.backend, init=True,
                         pg_timeout_s=PG_TIMEOUT_S, run_dir=ranks.run_dir, env=ranks.env,
-                        launcher_pid=os.getpid(), cell_sources={})
+                        launcher_pid=os.getpid(), cell_sources={}, seed=self.seed)
         try:
             ranks.start(serve, (job, [theirs for _, theirs in pipes]))
         except BaseException:
@@ -170,6 +182,8 @@ class Pool:
             message = _message(request)
         except KeyboardInterrupt:   # still pickling it (a big push): nothing was sent
             raise interrupted("nothing was sent to the ranks; they keep their variables.") from None
+        except Exception as exc:
+            raise _cannot_send(request, exc) from None
         self._replace_dead_ranks()
         if self._ranks is None:
             self._start()
@@ -229,7 +243,7 @@ class Pool:
         if outcome == "timeout":
             if errors_at:
                 self._give_up_stuck(replies, detail)
-            self._give_up_timeout(detail, timeout)
+            self._give_up_timeout(detail, timeout, "start_timeout=" if what == "start" else None)
         supervisor.output.drain()
         supervisor.output.end_lines()   # a prompt or an unfinished line belongs to this cell
         if any(reply.has_children for reply in replies.values()):
@@ -246,13 +260,11 @@ class Pool:
             raise error_from_record(first, replies[first].error, self.run_dir, note)
         return [cloudpickle.loads(replies[r].value) for r in ranks]
 
-    def _give_up_timeout(self, unfinished, timeout):
-        self._ranks.dump_stacks(unfinished)
+    def _give_up_timeout(self, unfinished, timeout, name=None):
+        stacks = stacks_of(self._ranks, unfinished)
         self._discard()
-        raise WorkerTimeout(
-            f"timed out after {timeout:g} s: rank(s) {unfinished} had not finished; their stacks are "
-            f"printed above. The ranks were stopped; {RESET}.",
-            unfinished_ranks=unfinished, log_dir=self.run_dir)
+        raise timeout_error(timeout, unfinished, stacks, self.run_dir, name=name,
+                            after=f"The ranks were stopped; {RESET}.")
 
     def _give_up_stuck(self, replies, stuck):
         first = min(r for r, reply in replies.items() if not reply.ok)
@@ -283,6 +295,23 @@ def _message(request: Request) -> bytes:
     """A request as it travels: (sources of the notebook cells its code comes from, the request)."""
     payload, sources = dumps_with_sources(request)
     return pickle.dumps((sources, payload), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _cannot_send(request: Request, exc: Exception) -> TypeError:
+    """The error for a request that cannot be pickled, naming what cannot travel (nothing was sent)."""
+    what = "the function or its arguments"
+    if isinstance(request, Push):
+        names = []
+        for name, value in request.values.items():
+            try:
+                dumps(value)
+            except Exception as err:
+                names.append(name)
+                exc = err
+        what = ", ".join(map(repr, names)) if names else "the values"
+    return TypeError(f"cannot send {what} to the ranks: {type(exc).__name__}: {exc}. What travels is "
+                     "pickled (with cloudpickle); locks, open files, sockets, generators and live process "
+                     "groups cannot be. Make them in the ranks instead (in a %%ddp cell). Nothing was sent.")
 
 
 def _resident_mib(pid):

@@ -4,9 +4,11 @@ Each rank's files there are named by `rank_file(run_dir, rank, kind)`, one kind 
 RANK_FILES; `remove_scratch` removes all but the logs when the run ends.
 
 They live in `$TMPDIR/ddp_helpers-<uid>`, a folder of this user's that nobody else may write to
-(result files are unpickled). A run folder's name records the process that made it
-(`run-HHMMSS-<pid>-<n>-...`); old ones are pruned, but never a run still going on here or in
-another notebook kernel.
+(result files are unpickled). When that name is taken (another user made it first, or a file is
+there), one fallback folder of this user's, `$TMPDIR/ddp_helpers-<uid>-XXXXXXXX`, is made once and
+used by every later process too, so that kernels leave no new folder behind. A run folder's name
+records the process that made it (`run-HHMMSS-<pid>-<n>-...`); old ones are pruned, but never a run
+still going on here or in another notebook kernel.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ KEPT_RUN_DIRS = 20           # logs of the most recent finished launches kept on
 _run_counter = itertools.count()
 _run_dirs_lock = threading.Lock()
 _live_run_dirs = set()       # run folders of this process still in use (a launch running, a pool up)
-_fallback_roots = {}         # (temp dir, uid) -> a private root, when the usual one cannot be trusted
+_fallback_roots = {}         # (temp dir, uid) -> this process's private root, when the usual one cannot be trusted
 
 
 RANK_FILES = {
@@ -79,9 +81,9 @@ def release_run_dir(path):
 
 def run_root():
     """`$TMPDIR/ddp_helpers-<uid>`, made with mode 0700, if it is a real folder of this user that
-    nobody else can write to; otherwise (planted by another user, a symlink, ...) a private
-    folder made for this process, with a warning. Result files in run folders are unpickled:
-    nobody else may be able to put or rename anything there."""
+    nobody else can write to; otherwise (planted by another user, a symlink, ...) the fallback
+    (`_fallback_root`), with a warning. Result files in run folders are unpickled: nobody else may be
+    able to put or rename anything there."""
     tmp, uid = tempfile.gettempdir(), os.getuid()
     root = os.path.join(tmp, f"ddp_helpers-{uid}")
     try:
@@ -93,10 +95,26 @@ def run_root():
         return root
     fallback = _fallback_roots.get((tmp, uid))
     if fallback is None or _untrusted_root(fallback, uid) is not None:
-        fallback = tempfile.mkdtemp(prefix=f"ddp_helpers-{uid}-", dir=tmp)  # new, 0700, ours
+        fallback = _fallback_root(tmp, uid)
         _fallback_roots[(tmp, uid)] = fallback
         warnings.warn(f"not using {root}: {problem}; run folders go to {fallback} instead", stacklevel=4)
     return fallback
+
+
+def _fallback_root(tmp, uid):
+    """The first `ddp_helpers-<uid>-*` folder in `tmp` that this user owns and nobody else can write
+    to (an earlier process made it), or a new one (mkdtemp: 0700, ours). Another user can make a
+    folder of that name, but not one that this user owns: theirs are passed over."""
+    prefix = f"ddp_helpers-{uid}-"
+    try:
+        names = sorted(n for n in os.listdir(tmp) if n.startswith(prefix))
+    except OSError:
+        names = []
+    for name in names:
+        path = os.path.join(tmp, name)
+        if _untrusted_root(path, uid) is None:
+            return path
+    return tempfile.mkdtemp(prefix=prefix, dir=tmp)
 
 
 def _untrusted_root(path, uid):
