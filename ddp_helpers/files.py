@@ -76,10 +76,15 @@ def why_unwritable(folder: str | os.PathLike) -> str | None:
 
 def newest_file(pattern: str) -> str | None:
     """Of the files `pattern` names ({epoch} in it, or one fixed name), the highest epoch's; or None."""
+    return next(iter(files_by_epoch(pattern)), None)
+
+
+def files_by_epoch(pattern: str) -> list[str]:
+    """The files `pattern` names ({epoch} in it, or one fixed name), the highest epoch first."""
     parts = re.split(r"\{epoch(?::[^}]*)?\}", pattern)
     if len(parts) == 1:
-        return pattern if os.path.isfile(pattern) else None
+        return [pattern] if os.path.isfile(pattern) else []
     number = re.compile(r"(\d+)".join(map(re.escape, parts)) + "$")
     found = {int(m.group(1)): path for path in glob.glob("*".join(map(glob.escape, parts)))
              if (m := number.match(path))}
-    return found[max(found)] if found else None
+    return [found[epoch] for epoch in sorted(found, reverse=True)]

@@ -7,11 +7,12 @@
 Every rank runs the same code on its own device: join the process group, wrap the model in DDP
 (which averages the gradients across ranks during backward), train on its share of each epoch,
 evaluate its share of the test set and sum the counts over ranks. Rank 0 saves checkpoints;
-`--resume auto` continues from the newest after torchrun restarts the group.
+`--resume auto` continues from the newest after torchrun restarts the group (from the one before
+it, saying so, when the newest cannot be read).
 The choices that a speed layer may replace (model, DDP wrapper, data loaders and batches, optimizer, the
 step, prediction) are the methods of `Plain`; `ddp_helpers.speed.Speedups` is such a layer.
 """
-import dataclasses, errno, io, math, os, signal, stat, sys, time, warnings
+import dataclasses, errno, io, math, os, signal, stat, sys, time, warnings, zipfile
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -25,7 +26,7 @@ from torchvision.transforms import v2
 
 from . import data, machine, models, settings as settings_
 from .compat import barrier, loopback_interface, one_gpu_per_rank  # what torch versions differ in
-from .files import atomic_write, nearest_folder, newest_file, why_unwritable
+from .files import atomic_write, files_by_epoch, nearest_folder, why_unwritable
 from .progress import METRICS_PREFIX, Log, restart_count, say  # noqa: F401 (METRICS_PREFIX: for live)
 
 option = settings_.option
@@ -75,7 +76,7 @@ def checks(c: Config) -> list[tuple[bool, str]]:
             (not c.per_class or c.batch_size <= 10 * c.per_class,  # a schedule of no steps
              f"batch_size={c.batch_size} is more than the training set (per_class={c.per_class}: "
              f"{10 * (c.per_class or 0)} images): no step"),
-            *checkpoint_checks(c.checkpoint)]
+            *checkpoint_checks(c.checkpoint), *resume_checks(c.resume)]
 
 
 def checkpoint_checks(template: str | None) -> list[tuple[bool, str]]:
@@ -93,6 +94,14 @@ def checkpoint_checks(template: str | None) -> list[tuple[bool, str]]:
     why = ("it exists and is not a regular file (a device, a pipe or a socket): saving would replace it"
            if os.path.exists(path) and not os.path.isfile(path) else why_unwritable(os.path.dirname(path)))
     return [(why is None, f"checkpoint={template!r}: {why}")]
+
+
+def resume_checks(path: str | None) -> list[tuple[bool, str]]:
+    """A checkpoint named to resume from must be whole (not cut short, no byte changed)."""
+    if path in (None, "auto") or not os.path.isfile(path):
+        return []
+    why = checkpoint_problem(path)
+    return [(why is None, UnreadableCheckpoint(path, why).message)]
 
 
 def make_config(**settings) -> Config:
@@ -266,9 +275,9 @@ def run(recipe: Plain | None = None, **settings) -> dict:
 def train(t: Trainer) -> dict:
     speedups = dataclasses.asdict(t.recipe) if dataclasses.is_dataclass(t.recipe) else {}
     t.log = Log(t, {**dataclasses.asdict(t.cfg), **speedups}, restart_count())
-    resume = find_resume(t)
+    resume, state = find_resume(t)
     if resume:
-        load_checkpoint(t, resume)
+        load_checkpoint(t, resume, state)
     t.log.start(t, resume)
     if t.device.type == "cuda":
         torch.cuda.synchronize(t.device)
@@ -383,24 +392,96 @@ def write_privately(state: dict, path: str) -> None:
         raise
 
 
-def find_resume(t: Trainer) -> str | None:
-    """The checkpoint to load, or None. For --resume auto rank 0 looks and tells the others."""
+class UnreadableCheckpoint(ValueError):
+    """A checkpoint this trainer cannot resume from: `why` says what is wrong with the file at `path`."""
+
+    def __init__(self, path: str, why: str):
+        self.path, self.why = path, why
+        self.message = f"resume={path!r}: this checkpoint cannot be read ({why})"
+        super().__init__(self.message)
+
+
+SAVED = ("model", "optimizer", "schedule", "epoch", "step")   # what save_checkpoint writes, at least
+
+
+def checkpoint_problem(path: str) -> str | None:
+    """Why the file at `path` is not a whole checkpoint, or None. torch.save writes a zip archive
+    with a CRC-32 checksum for each of its parts: a file cut short has no directory at its end, and a
+    changed byte fails its part's checksum (torch.load itself would load such weights without a word)."""
+    try:
+        if os.path.getsize(path) == 0:
+            return "empty"
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()   # reads every part
+    except OSError as err:
+        return err.strerror or str(err)
+    except Exception as err:   # zipfile's errors for a file that is no whole zip archive
+        return f"cut short or not a checkpoint: {err}"
+    return None if bad is None else f"damaged: its part {bad} fails its checksum"
+
+
+def read_checkpoint(path: str, device: torch.device) -> dict:
+    """The training state saved at `path`, on `device`; UnreadableCheckpoint says why not.
+    map_location: tensors saved from cuda:0 would otherwise all land on cuda:0."""
+    why = checkpoint_problem(path)
+    if why is None:
+        try:
+            state = torch.load(path, map_location=device, weights_only=True)
+        except Exception as err:
+            why = f"torch.load: {(str(err).splitlines() or [type(err).__name__])[0][:200]}"
+    if why is None:
+        missing = [key for key in SAVED if not isinstance(state, dict) or key not in state]
+        if not missing:
+            return state
+        has = f"it has {', '.join(map(repr, state))}" if isinstance(state, dict) else f"it is a {type(state).__name__}"
+        why = f"not a checkpoint of this trainer: it has no {', '.join(map(repr, missing))} ({has})"
+    raise UnreadableCheckpoint(path, why)
+
+
+def find_resume(t: Trainer) -> tuple[str | None, dict | None]:
+    """The checkpoint to load and, where this rank has read it already, its state; or (None, None).
+    For --resume auto rank 0 reads the newest file, or the newest it can read (saying which it passed
+    over, in one line), and tells the others; when none can be read, every rank stops with that error."""
     if t.cfg.resume != "auto":
-        return t.cfg.resume
-    choice = [newest_file(t.cfg.checkpoint) if t.rank == 0 else None]
+        return t.cfg.resume, None
+    path, state, message = newest_readable(t.cfg.checkpoint, t.device) if t.rank == 0 else (None, None, None)
+    choice = [path, message]
     dist.broadcast_object_list(choice, src=0)
-    if choice[0] is None:
+    path, message = choice
+    if path is None and message:
+        raise ValueError(message)
+    if path is None:
         t.log.tell(None, "resume auto: no checkpoint yet, starting from scratch")
-    return choice[0]
+    elif message and t.rank == 0:
+        say(message)
+    return path, state
 
 
-def load_checkpoint(t: Trainer, path: str) -> None:
+def newest_readable(pattern: str, device: torch.device) -> tuple[str | None, dict | None, str | None]:
+    """Of the files `pattern` names, the newest that can be read: (path, state, a line naming those
+    passed over, or None); (None, None, why) when none can be; (None, None, None) when there are none."""
+    passed_over = []
+    for path in files_by_epoch(pattern):
+        try:
+            state = read_checkpoint(path, device)
+        except UnreadableCheckpoint as err:
+            passed_over.append((path, err.why))
+            continue
+        said = ", ".join(f"{p} cannot be read ({why})" for p, why in passed_over)
+        return path, state, f"resume auto: {said}; resuming from {path} instead" if passed_over else None
+    if not passed_over:
+        return None, None, None
+    return None, None, (f"resume auto: no checkpoint that checkpoint={pattern!r} names can be read: "
+                        + "; ".join(f"{p} ({why})" for p, why in passed_over)
+                        + "; remove them to start from scratch")
+
+
+def load_checkpoint(t: Trainer, path: str, state: dict | None = None) -> None:
     """Continue after the checkpoint's epoch: with the settings it was saved with, exactly as if
     never stopped. With another length, batch size or world size, this run's schedule is moved on
     to the step this run would be at, and a line says so (weights and momentum come from the
-    checkpoint).
-    map_location: tensors saved from cuda:0 would otherwise all land on cuda:0."""
-    state = torch.load(path, map_location=t.device, weights_only=True)
+    checkpoint). `state`: the file's, where this rank has read it already."""
+    state = read_checkpoint(path, t.device) if state is None else state
     t.module.load_state_dict(state["model"])
     t.start_epoch = state["epoch"] + 1
     t.step = min(t.start_epoch * len(t.train_loader), t.total_steps)

@@ -14,7 +14,8 @@ The options and where each is tested (each by a test that fails if the option is
   eval_every .................. test_eval_every_chooses_the_evaluated_epochs
   log_every, verbose, live .... test_log_every_verbose_and_live_output (and the live view's test)
   checkpoint, resume .......... test_checkpoint_and_identical_resume_on_two_ranks (resume="auto" too),
-                                test_resume_is_identical_with_the_gpu_data_loader_too
+                                test_resume_is_identical_with_the_gpu_data_loader_too; a damaged file:
+                                test_resume_auto_falls_back_from_a_damaged_newest_checkpoint and the two after it
   fail_at_step, fail_rank ..... test_torchrun.py: test_killed_worker_restart_resumes_from_checkpoint_and_finishes
                                 (rank 1 alone dies, at step 8, in the first attempt only; then
                                 --resume auto) and test_fault_and_resume_options_are_checked
@@ -782,3 +783,84 @@ def test_resume_with_another_world_size_remakes_the_schedule(two_ranks):
         schedule.optimizer.step()
         schedule.step()
     assert lrs(resumed) == pytest.approx(expected[20:])
+
+
+# ----------------------------------------------- damaged checkpoints: named, and resume auto falls back
+def damage(path, how):
+    """Damage a checkpoint as a crash, a full disk or a bad copy would."""
+    whole = path.read_bytes()
+    if how == "cut":       # a copy stopped half-way
+        path.write_bytes(whole[:len(whole) // 2])
+    elif how == "empty":   # created, never written
+        path.write_bytes(b"")
+    elif how == "flipped":  # one byte of the weights changed (the disk, the network)
+        middle = len(whole) // 2
+        path.write_bytes(whole[:middle] + bytes([whole[middle] ^ 0xFF]) + whole[middle + 1:])
+
+
+@needs_mini
+def test_resume_auto_falls_back_from_a_damaged_newest_checkpoint(tmp_path, capsys):
+    # A newest file cut short gave the zip reader's "failed finding central directory", without the
+    # file's name, and no fall-back; a flipped byte in the weights was loaded without a word.
+    pattern = str(tmp_path / "{epoch}.pt")
+    full = train.run(**SMALL, epochs=3, checkpoint=pattern)
+    damage(tmp_path / "2.pt", "cut")
+    capsys.readouterr()
+    resumed = train.run(**SMALL, epochs=3, resume="auto", checkpoint=pattern)
+    said = capsys.readouterr().out.splitlines()
+    assert resumed["resumed_from"] == str(tmp_path / "1.pt")
+    assert [s["step"] for s in resumed["steps"]] == list(range(11, 16))   # the last epoch again
+    assert [x for s in losses(resumed) for x in s] == pytest.approx([x for s in losses(full)[10:] for x in s])
+    assert len(said) == 1, said
+    assert re.fullmatch(rf"resume auto: {re.escape(str(tmp_path / '2.pt'))} cannot be read \(cut short or not a "
+                        rf"checkpoint: .*\); resuming from {re.escape(str(tmp_path / '1.pt'))} instead", said[0]), said
+    assert torch.load(tmp_path / "2.pt", weights_only=True)["epoch"] == 2   # saved again, whole
+
+    damage(tmp_path / "2.pt", "flipped")
+    damage(tmp_path / "1.pt", "empty")
+    resumed = train.run(**SMALL, epochs=3, resume="auto", checkpoint=pattern)
+    said = capsys.readouterr().out.splitlines()
+    assert resumed["resumed_from"] == str(tmp_path / "0.pt") and len(said) == 1, said
+    assert "2.pt cannot be read (damaged: " in said[0] and "fails its checksum" in said[0], said
+    assert "1.pt cannot be read (empty)" in said[0] and said[0].endswith("0.pt instead"), said
+
+    for name in ("0.pt", "1.pt", "2.pt"):
+        damage(tmp_path / name, "cut")
+    with pytest.raises(ValueError, match=r"resume auto: no checkpoint .* can be read: .*2\.pt \(cut short.*1\.pt "
+                                         r"\(cut short.*0\.pt \(cut short.*remove them to start from scratch"):
+        train.run(**SMALL, epochs=3, resume="auto", checkpoint=pattern)
+
+
+@needs_mini
+def test_a_damaged_resume_path_is_a_clear_error_naming_the_file(tmp_path):
+    train.run(**SMALL, epochs=1, checkpoint=str(tmp_path / "{epoch}.pt"))
+    path = tmp_path / "0.pt"
+    for how, why in (("flipped", r"damaged: .* fails its checksum"), ("cut", "cut short or not a checkpoint"),
+                     ("empty", "empty")):
+        damage(path, how)
+        message = rf"resume={re.escape(repr(str(path)))}: this checkpoint cannot be read \({why}"
+        with pytest.raises(ValueError, match=message):
+            train.make_config(**SMALL, resume=str(path))   # up front, before any process starts
+        train.run(**SMALL, epochs=1, checkpoint=str(path))  # whole again
+    not_ours = tmp_path / "weights.pt"
+    torch.save({"weight": torch.ones(2)}, not_ours)
+    with pytest.raises(ValueError, match=r"weights\.pt': this checkpoint cannot be read \(not a checkpoint of this "
+                                         r"trainer: it has no 'model', 'optimizer', 'schedule', 'epoch', 'step' "
+                                         r"\(it has 'weight'\)\)"):
+        train.run(**SMALL, resume=str(not_ours))
+
+
+@needs_mini
+def test_ranks_follow_rank_0s_fall_back_and_all_fail_together(tmp_path):
+    pattern = str(tmp_path / "{epoch}.pt")
+    train.run(**SMALL, epochs=2, checkpoint=pattern)
+    damage(tmp_path / "1.pt", "cut")
+    records = launch(train.run, 2, "gloo", kwargs=dict(SMALL, epochs=2, resume="auto", checkpoint=pattern),
+                     timeout=seconds(60), quiet=True)
+    assert [r["resumed_from"] for r in records] == [str(tmp_path / "0.pt")] * 2
+    damage(tmp_path / "0.pt", "cut")
+    damage(tmp_path / "1.pt", "cut")
+    with pytest.raises(WorkerError, match="no checkpoint .* can be read") as info:
+        launch(train.run, 2, "gloo", kwargs=dict(SMALL, epochs=2, resume="auto", checkpoint=pattern),
+               timeout=seconds(60), quiet=True)
+    assert info.value.exc_type == "ValueError"
