@@ -135,6 +135,17 @@ def test_the_seed_travels_to_the_ranks(monkeypatch, pool, magics):
         magics.ddp("-n 1 --seed -2", "x = 1")
 
 
+def test_a_seeded_ddp_cell_draws_the_same_numbers_again(magics):
+    # before: %%ddp had no --seed (and every rank drew the fork server's numbers)
+    cell = "torch.rand(1).item()"
+    first, again = magics.ddp("-n 2 --seed 0", cell), magics.ddp("-n 2 --seed 0", cell)
+    assert list(first) == list(again) and first[0] != first[1], (first, again)
+    assert list(magics.ddp("-n 2", cell)) != list(first)
+    magics.ddp("start -n 2")
+    seeded = [list(magics.ddp("--seed 0", cell)) for _ in range(2)]
+    assert seeded == [list(first)] * 2, "a pool cell with --seed draws what a fresh launch with it draws"
+
+
 # ---- a pasted script: its `if __name__ == "__main__":` block runs on every rank ----
 PASTED_SCRIPT = textwrap.dedent('''
     import argparse, os
