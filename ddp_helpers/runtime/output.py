@@ -16,7 +16,7 @@ from .run_dirs import rank_file
 
 _LINE_ENDS = re.compile(rb"\r\n|\r|\n")
 _READ_SIZE = 1 << 16     # a pipe's buffer (Linux)
-_READS_AT_CLOSE = 1024   # what is left in the pipes is read at the end; a writer that never stops, not forever
+_READS_AT_CLOSE = 16   # what is left in the pipes is read at the end (a writer that never stops: not forever)
 # In the ranks' private network no DNS server answers, so c10d's reverse lookup of a socket's own
 # loopback address (as "::ffff:127.0.0.1") fails "temporarily" (EAI_AGAIN), and it warns on every
 # connection. Harmless (it then uses the number): kept in the log, not shown in the cell.
