@@ -359,6 +359,7 @@ _INIT_SIGNATURE = inspect.signature(_real_init)
 
 class _RankShims:
     launch_addr = launch_port = marker = None
+    rounds = 0         # init_process_group calls that formed a group on the launch's store (see _a_store_of_this_round)
     kept_inits = 0     # init_process_group calls that found the group formed: their destroys do nothing
 
 
@@ -369,6 +370,7 @@ def install_in_rank(marker_path=None):
     _RankShims.launch_addr = os.environ.get("MASTER_ADDR")
     _RankShims.launch_port = os.environ.get("MASTER_PORT")
     _RankShims.marker = marker_path
+    _RankShims.rounds = _RankShims.kept_inits = 0
     for module in (dist, dist.distributed_c10d):
         module.init_process_group = init_process_group
         module.destroy_process_group = destroy_process_group
@@ -385,8 +387,16 @@ def init_process_group(*args, **kwargs):
     call = _INIT_SIGNATURE.bind(*args, **kwargs)
     call.apply_defaults()
     given = call.arguments
+    init_method = given["init_method"]
+    tcp = isinstance(init_method, str) and init_method.startswith("tcp://")
+    if tcp:   # tcp://host:port?rank=0&world_size=2: the query's rank and world size count as given
+        query = dict(urllib.parse.parse_qsl(urllib.parse.urlparse(init_method).query))
+        for name in ("rank", "world_size"):
+            if given[name] in (-1, None) and query.get(name, "").isdigit():
+                given[name] = int(query[name])
     backend, world_size, rank = given["backend"], given["world_size"], given["rank"]
     if dist.is_initialized():
+        _use_the_launch_rendezvous(init_method if tcp else None)
         return _keep_the_group(backend, world_size, rank)
     started = int(os.environ.get("WORLD_SIZE", "0") or 0)
     if started and world_size not in (-1, None) and world_size != started:
@@ -394,20 +404,33 @@ def init_process_group(*args, **kwargs):
                          f"they would wait for the missing ones forever. Pass world_size={started}.")
     if started and rank not in (-1, None) and not 0 <= rank < started:
         raise ValueError(f"init_process_group(rank={rank}): ranks are 0 to {started - 1} here")
-    init_method = given["init_method"]
-    if given["store"] is None and init_method in (None, "env://"):
-        _use_the_launch_rendezvous()
-    elif isinstance(init_method, str) and init_method.startswith("tcp://") and not _is_the_launch_store(init_method):
-        # Not the launch's store, so rank 0 serves this one (torch before 2.14 would have every rank
-        # wait there for a store that the launcher serves elsewhere).
-        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
-    where = init_method if init_method not in (None, "env://") else (
+    if given["store"] is None and (init_method in (None, "env://") or tcp) and _RankShims.launch_port:
+        # env://, or a tcp:// address (which no store serves in here): the launch's own rendezvous
+        _use_the_launch_rendezvous(init_method if tcp else None)
+        given["init_method"] = None
+        given["store"] = _a_store_of_this_round(given["timeout"])
+        given["rank"] = rank if rank not in (-1, None) else int(os.environ["RANK"])
+        given["world_size"] = world_size if world_size not in (-1, None) else int(os.environ["WORLD_SIZE"])
+    where = init_method if given["store"] is None and init_method not in (None, "env://") else (
         f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}")
     _mark_rendezvous(where)
     try:
         return _real_init(*call.args, **call.kwargs)
     finally:
         _mark_rendezvous(None)
+
+
+def _a_store_of_this_round(timeout):
+    """A client of the launch's store, under a prefix of its own for each init_process_group of this
+    rank. A group formed again after destroy_process_group() has the same name ("0"), so without it
+    Gloo found the previous group's addresses in the store: "connectFullMesh failed ... Connection
+    refused", or a wait that never ended (torchrun's agent store has the same keys; the tutorials'
+    own rank-0 store is new for each group). Every rank forms its groups in the same order, so the
+    n-th init of each rank meets under the same prefix."""
+    _RankShims.rounds += 1
+    client = dist.TCPStore(_RankShims.launch_addr, int(_RankShims.launch_port), is_master=False,
+                           timeout=timeout or dist.distributed_c10d.default_pg_timeout)
+    return dist.PrefixStore(f"ddp_helpers/init_{_RankShims.rounds}", client)
 
 
 def _keep_the_group(backend, world_size, rank):
@@ -438,12 +461,19 @@ def _is_the_launch_store(url):
     return (parsed.hostname, str(parsed.port)) == (_RankShims.launch_addr, _RankShims.launch_port)
 
 
-def _use_the_launch_rendezvous():
+def _use_the_launch_rendezvous(init_method=None):
+    """Point MASTER_ADDR/PORT at the launch's own rendezvous, saying so in one line if the code had
+    set others (or passed a tcp:// init_method), and what to do under torchrun."""
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if _RankShims.launch_port is None or (addr, port) == (_RankShims.launch_addr, _RankShims.launch_port):
+    if _RankShims.launch_port is None:
         return
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = _RankShims.launch_addr, _RankShims.launch_port
-    _say(f"MASTER_ADDR:PORT {addr}:{port} from your code -> this launch's own")
+    if init_method is not None and not _is_the_launch_store(init_method):
+        _say(f"init_method {init_method} from your code -> this launch's own rendezvous (under torchrun, "
+             "drop init_method: torchrun sets MASTER_ADDR/PORT for env://)")
+    elif (addr, port) != (_RankShims.launch_addr, _RankShims.launch_port):
+        _say(f"MASTER_ADDR:PORT {addr}:{port} from your code -> this launch's own (under torchrun, delete "
+             "these lines: torchrun sets both)")
 
 
 def _mark_rendezvous(where):

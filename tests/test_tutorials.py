@@ -2,7 +2,6 @@
 notebook cell, a rank's own `init_process_group` with its own MASTER_PORT, a script without the
 `if __name__ == "__main__":` guard. (The tutorial-style code below is written for these tests.)"""
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -36,7 +35,49 @@ def test_a_rank_that_sets_its_own_master_port_uses_the_launch_rendezvous(capfd):
     # before: every rank became a client of 12355, which nobody served, until the timeout
     assert launch(sum_of_ranks_with_own_setup, 2, init=False, timeout=seconds(20)) == [1.0, 1.0]
     out = capfd.readouterr().out
-    assert "[rank 0] ddp_helpers: MASTER_ADDR:PORT localhost:12355 from your code -> this launch's own" in out
+    # before: the line did not say that under torchrun the script hangs on its own port
+    assert ("[rank 0] ddp_helpers: MASTER_ADDR:PORT localhost:12355 from your code -> this launch's own "
+            "(under torchrun, delete these lines: torchrun sets both)\n") in out, out
+    assert "[rank 1] ddp_helpers" not in out, "one line, from rank 0"
+
+
+def destroy_and_init_again(rounds):
+    """The tutorials' pattern, in a loop: the rank's own setup(), a collective, cleanup()."""
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    sums = []
+    for i in range(rounds):
+        tutorial_setup(rank, world_size)
+        t = torch.tensor([float(rank + i)])
+        dist.all_reduce(t)
+        sums.append(t.item())
+        dist.destroy_process_group()
+    return sums
+
+
+def test_a_group_destroyed_and_formed_again_finds_its_peers():
+    # before: a later round found the previous group's addresses in the launch's store ("Gloo
+    # connectFullMesh failed ... Connection refused", or a wait until the timeout) in 4 of 10 launches
+    # of five rounds
+    for _ in range(3):
+        sums = launch(destroy_and_init_again, 2, args=(10,), init=False, timeout=seconds(30), quiet=True)
+        assert sums == [[1.0 + 2 * i for i in range(10)]] * 2
+
+
+def init_at_an_address_of_its_own():
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo", init_method="tcp://10.11.12.13:23456", rank=rank, world_size=2)
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    return t.item()
+
+
+def test_a_tcp_init_method_uses_the_launch_rendezvous(capfd):
+    # before: every rank retried 10.11.12.13 for 30 minutes, printing a C++ backtrace at each retry
+    assert launch(init_at_an_address_of_its_own, 2, init=False, timeout=seconds(20)) == [2.0, 2.0]
+    out = capfd.readouterr().out
+    assert ("[rank 0] ddp_helpers: init_method tcp://10.11.12.13:23456 from your code -> this launch's own "
+            "rendezvous (under torchrun, drop init_method: torchrun sets MASTER_ADDR/PORT for env://)\n") in out, out
     assert "[rank 1] ddp_helpers" not in out, "one line, from rank 0"
 
 
@@ -61,16 +102,13 @@ def test_a_world_size_that_does_not_fit_is_an_error_at_once():
         launch(init_with, 2, kwargs={"world_size": 3}, timeout=seconds(30))
 
 
-def test_a_rendezvous_that_cannot_complete_is_named_as_one():
-    with socket.socket() as s:   # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def test_a_rendezvous_that_cannot_complete_is_named_as_one(tmp_path):
+    where = f"file://{tmp_path}/rendezvous"   # both ranks say they are rank 1: rank 0 never comes
     with pytest.raises(WorkerTimeout) as caught:
         launch(init_with, 2, init=False, timeout=seconds(4), quiet=True,   # long enough to reach init
-               kwargs={"init_method": f"tcp://127.0.0.1:{port}", "rank": 1, "world_size": 2})
+               kwargs={"init_method": where, "rank": 1, "world_size": 2})
     message = str(caught.value)
-    assert "were still in init_process_group, waiting for the rendezvous at " \
-           f"tcp://127.0.0.1:{port}" in message, message
+    assert f"were still in init_process_group, waiting for the rendezvous at {where}" in message, message
     assert "waiting in a collective" not in message
 
 
@@ -201,6 +239,7 @@ def test_tutorial_launch_lines_run_notebook_functions_in_a_kernel():
         assert "raise RuntimeError('broken on rank one')" in text_of(out[i]), "the cell's line"
     text = text_of(out[6])
     assert "[rank 0] tensor([2.])" in text and "kept the gloo group of 2 ranks" in text, text
+    assert "12355 from your code -> this launch's own (under torchrun, delete these lines" in text, text
     # before: the Pipe end passed, and arrived in the rank as a bare file descriptor
     errors = [o for o in out[7].outputs if o.output_type == "error"]
     assert errors and errors[0].ename == "TypeError", text_of(out[7])
