@@ -31,10 +31,11 @@ import cloudpickle
 import psutil
 
 from .launcher import (WorkerError, check_env, check_seed, check_timeout, check_world_size,
-                       error_from_record, resolve_backend, stacks_of, timeout_error)
+                       error_from_record, resolve_backend, timeout_error)
 from .runtime.cells import PerRank, dumps, dumps_with_sources, globals_to_send
 from .runtime.protocol import Call, Exec, Pull, Push, Reply, Request, Stop
 from .runtime.serve import serve
+from .runtime.stacks import stacks_of
 from .runtime.supervisor import Supervisor, describe_exit, interrupted
 from .runtime.worker import WorkerJob
 
