@@ -1,7 +1,6 @@
 """What a rank starts with, as a process that torchrun starts would: a random state of its own (or
 a reproducible one, from a seed), a Flight Recorder holding only the learner's collectives,
 `display` as in the notebook, and no process that can outlive the launch."""
-import functools
 import os
 import pickle
 import random
@@ -18,9 +17,7 @@ from conftest import needs_gpu, seconds
 from ddp_helpers import launcher
 from ddp_helpers.launcher import launch
 from ddp_helpers.pool import Pool
-from ddp_helpers.runtime.protocol import Call, Exec
 from ddp_helpers.runtime.random_state import reseed
-from ddp_helpers.runtime.worker import WorkerJob
 from test_kernel import run_notebook, text_of
 
 
@@ -87,7 +84,7 @@ def cuda_seeds():
 def test_a_ranks_gpus_get_its_seed():
     fresh = launch(cuda_seeds, 2)
     assert fresh[0][0] != fresh[1][0]
-    assert seeded_launch(cuda_seeds, 2, seed=5) == [[5] * torch.cuda.device_count(), [6] * torch.cuda.device_count()]
+    assert launch(cuda_seeds, 2, seed=5) == [[5] * torch.cuda.device_count(), [6] * torch.cuda.device_count()]
 
 
 def test_reseed_with_a_seed_repeats_and_depends_on_the_rank():
@@ -113,35 +110,31 @@ def test_reseed_with_a_seed_repeats_and_depends_on_the_rank():
         random.setstate(saved[2])
 
 
-def seeded_launch(fn, world_size, seed):
-    """launch with the WorkerJob's seed (what launch(..., seed=) passes)."""
-    real = launcher.WorkerJob
-    launcher.WorkerJob = functools.partial(WorkerJob, seed=seed)
-    try:
-        return launch(fn, world_size)
-    finally:
-        launcher.WorkerJob = real
+def seeded_draws():
+    return torch.initial_seed(), draws()
 
 
 def test_a_seed_makes_a_launch_reproducible_and_rank_dependent():
-    first = seeded_launch(lambda: (torch.initial_seed(), draws()), 2, seed=0)
-    again = seeded_launch(lambda: (torch.initial_seed(), draws()), 2, seed=0)
-    assert first == again
+    first = launch(seeded_draws, 2, seed=0)
+    assert launch(seeded_draws, 2, seed=0) == first
     assert [seed for seed, _ in first] == [0, 1], "seed + rank, as Accelerate's set_seed(device_specific=True)"
     assert differ(first[0][1], first[1][1])
-    other = seeded_launch(draws, 1, seed=1)[0]
-    assert other == first[1][1], "rank 0 with seed 1 draws what rank 1 with seed 0 drew"
+    assert launch(seeded_draws, 1, seed=1)[0] == first[1], "rank 0 with seed 1 draws what rank 1 with seed 0 drew"
+    assert launcher.spawn(lambda rank: seeded_draws(), nprocs=2, seed=0) == first
 
 
 def test_a_seeded_pool_request_is_reproducible_and_rank_dependent(pool):
     source = "import random, numpy\n(torch.rand(1).item(), numpy.random.rand(), random.random())"
-    first = pool._request(Exec(source, {}, "<cell>", seed=3), timeout=seconds(20))
-    again = pool._request(Exec(source, {}, "<cell>", seed=3), timeout=seconds(20))
-    called = pool._request(Call(draws, seed=3), timeout=seconds(20))
-    assert first == again == called
+    first = list(pool.run_cell(source, seed=3))
+    assert list(pool.run_cell(source, seed=3)) == first == pool.run(draws, seed=3)
     assert differ(*first)
     unseeded = pool.run(draws)
     assert differ(unseeded[0], first[0]), "a request without a seed leaves the random state as it is"
+
+
+def test_a_seeded_pool_starts_its_ranks_from_seed_plus_rank():
+    with Pool(world_size=2, seed=5) as seeded:
+        assert [seed for seed, _ in seeded.run(seeded_draws)] == [5, 6]
 
 
 # ---- Flight Recorder: only the learner's own collectives ----
