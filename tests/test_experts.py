@@ -14,18 +14,25 @@ def test_the_solution_is_accepted():
     assert verdict and repr(verdict) == "✅ my_dispatch, my_combine: correct.", repr(verdict)
 
 
-def test_the_stub_is_named():
-    def my_dispatch(x, expert, n_experts):
-        raise NotImplementedError("Try it")
-    verdict = check_dispatch_combine(my_dispatch, solutions.combine)
-    assert not verdict and "my_dispatch / my_combine still raises NotImplementedError" in repr(verdict), repr(verdict)
+def my_dispatch(x, expert, n_experts):
+    raise NotImplementedError("Try it: fill in my_dispatch")
+
+
+def my_combine(y, weight, state):
+    raise NotImplementedError("Try it: fill in my_combine")
+
+
+def test_the_stubs_are_named_the_dispatch_first():
+    verdict = check_dispatch_combine(my_dispatch, my_combine)
+    text = repr(verdict)
+    assert not verdict and text.endswith("- my_dispatch still raises NotImplementedError: fill in the stub"), text
 
 
 def test_a_stub_combine_is_named_after_a_right_dispatch():
-    def my_combine(y, weight, state):
-        raise NotImplementedError("Try it")
     verdict = check_dispatch_combine(solutions.dispatch, my_combine)
-    assert not verdict and "still raises NotImplementedError" in repr(verdict), repr(verdict)
+    text = repr(verdict)
+    assert not verdict and "- my_combine still raises NotImplementedError: fill in the stub" in text, text
+    assert "(dispatch passed: its collectives, splits and rows are right)" in text, text
 
 
 # ---- right numbers, wrong traffic: every token to every rank ---------------------------------------

@@ -15,6 +15,7 @@ gives the right numbers and is named for its traffic), the split sizes of that a
 rank received (by source rank, then expert, in token order: the row that went wrong is named by its rank
 and token), the combine's one all-to-all with the splits swapped, and each token's output against one
 process (a combine without the router's weights, or one that returns a dropped token itself, is named).
+A last case, drawn when the checker runs (`runner.unseen`), has random sizes and data.
 
 `CollectiveLog`, used inside a rank, notes every c10d collective below torch.distributed's Python
 functions (however it was reached): its name, group size, the bytes handed in and, for an all-to-all,
@@ -173,16 +174,16 @@ def _in_rank(dispatch, combine, case, seed, rows, ys):
     rank = dist.get_rank()
     ranks, _ = _case_data(case, seed)
     x, expert, weight = ranks[rank]
-    result = {"error": None, "stage": "dispatch", "received": None, "out": None}
+    result = {"error": None, "stage": "dispatch", "received": None, "out": None, "stub": None}
     with CollectiveLog() as log:
         try:
             got = dispatch(x.clone(), expert.clone(), case[3])
         except NotImplementedError:
-            raise
+            result["stub"] = "dispatch"
         except Exception as err:
             result["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
     result["dispatch_calls"] = log.calls
-    if result["error"]:
+    if result["error"] or result["stub"]:
         return result
     if not (isinstance(got, (tuple, list)) and len(got) == 2):
         result["error"] = f"returned {type(got).__name__}, expected (received, state)"
@@ -202,7 +203,7 @@ def _in_rank(dispatch, combine, case, seed, rows, ys):
         try:
             out = combine(ys[rank].clone(), weight.clone(), state)
         except NotImplementedError:
-            raise
+            result["stub"], out = "combine", None
         except Exception as err:
             result["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
             out = None
@@ -317,6 +318,26 @@ def _combine_problem(r, res, want, case):
     return None
 
 
+def _stub_problem(results, dispatch, combine):
+    """Which of the two functions is still the stub (combine runs only after a right dispatch)."""
+    stubs = {res["stub"] for res in results} - {None}
+    if "dispatch" in stubs:
+        return f"{runner.name_of(dispatch)} still raises NotImplementedError: fill in the stub"
+    if "combine" in stubs:
+        return (f"{runner.name_of(combine)} still raises NotImplementedError: fill in the stub "
+                f"({runner.name_of(dispatch)} passed: its collectives, splits and rows are right)")
+    return None
+
+
+def _draw_case(rng):
+    """A case no answer can have looked up: sizes and data drawn when the checker runs."""
+    world_size, per_rank = rng.choice((2, 3)), rng.choice((1, 2))
+    n_experts = world_size * per_rank
+    case = (world_size, rng.randint(4, 9), rng.randint(3, 6), n_experts, rng.choice((1, 2)) if n_experts > 1 else 1,
+            rng.choice((1.0, 1.25)))
+    return case, rng.randrange(2**31)
+
+
 def check_dispatch_combine(dispatch: Callable, combine: Callable) -> Verdict:
     """Notebook 13: `dispatch(x, expert, n_experts) -> (received, state)` and `combine(y, weight, state) ->
     out`, the two all-to-alls of expert parallelism. Checked on 2 and 4 real ranks, with dropped choices,
@@ -327,15 +348,13 @@ def check_dispatch_combine(dispatch: Callable, combine: Callable) -> Verdict:
         wrong = runner.not_a_function(title, fn, what)
         if wrong:
             return wrong
-    seeds = [13 + i for i in range(len(CASES))]
-    wants = {}
-    for case, seed in zip(CASES, seeds):   # before any of the learner's code runs
-        wants[case] = _expected(case, seed)
-    check = runner.Checker(title, who="my_dispatch / my_combine")
-    for case, seed in check.each(list(zip(CASES, seeds))):
+    cases, unseen = [(case, 13 + i) for i, case in enumerate(CASES)], runner.unseen(_draw_case)
+    wants = {key: _expected(*key) for key in cases + unseen}   # before any of the learner's code runs
+    check = runner.Checker(title, who=f"{runner.name_of(dispatch)} / {runner.name_of(combine)}")
+    for case, seed in check.each(cases, unseen):
         world_size, tokens, width, n_experts, k, cf = case
-        label = f"world_size={world_size}, {n_experts} experts, top-{k}, {tokens} tokens per rank"
-        want = wants[case]
+        label = check.label(f"world_size={world_size}, {n_experts} experts, top-{k}, {tokens} tokens per rank")
+        want = wants[case, seed]
         results = check.run(
             _in_rank, world_size,
             (dispatch, combine, case, seed, [w["received"] for w in want], [w["y"] for w in want]), label,
@@ -346,8 +365,8 @@ def check_dispatch_combine(dispatch: Callable, combine: Callable) -> Verdict:
         if results is None:
             continue
         ranks, _ = _case_data(case, seed)
-        problem = None
-        for r, res in enumerate(results):
+        problem = _stub_problem(results, dispatch, combine)
+        for r, res in enumerate(results if not problem else []):
             problem = _dispatch_problem(r, res, want[r], case, ranks)
             if problem:
                 problem = f"rank {r}: {problem}"
@@ -358,7 +377,10 @@ def check_dispatch_combine(dispatch: Callable, combine: Callable) -> Verdict:
                 if problem:
                     problem = f"rank {r}, {problem}" if problem.startswith("token") else f"rank {r}: {problem}"
                     break
-        if problem:
+        if problem and "NotImplementedError" in problem:
+            check.problems.append(problem)
+            check.stop()
+        elif problem:
             check.problems.append(f"{label}: {problem}")
             check.stop()
     return check.verdict()
