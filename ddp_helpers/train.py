@@ -12,7 +12,7 @@ it, saying so, when the newest cannot be read).
 The choices that a speed layer may replace (model, DDP wrapper, data loaders and batches, optimizer, the
 step, prediction) are the methods of `Plain`; `ddp_helpers.speed.Speedups` is such a layer.
 """
-import dataclasses, errno, io, math, os, signal, stat, sys, time, warnings, zipfile
+import dataclasses, math, os, signal, sys, time, warnings
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -26,7 +26,8 @@ from torchvision.transforms import v2
 
 from . import data, machine, models, settings as settings_
 from .compat import barrier, loopback_interface, one_gpu_per_rank  # what torch versions differ in
-from .files import atomic_write, files_by_epoch, nearest_folder, why_unwritable
+from .checkpoint_files import (UnreadableCheckpoint, checkpoint_checks, checkpoint_problem, newest_readable,
+                               resume_checks, write_privately)
 from .progress import METRICS_PREFIX, Log, restart_count, say  # noqa: F401 (METRICS_PREFIX: for live)
 
 option = settings_.option
@@ -77,31 +78,6 @@ def checks(c: Config) -> list[tuple[bool, str]]:
              f"batch_size={c.batch_size} is more than the training set (per_class={c.per_class}: "
              f"{10 * (c.per_class or 0)} images): no step"),
             *checkpoint_checks(c.checkpoint), *resume_checks(c.resume)]
-
-
-def checkpoint_checks(template: str | None) -> list[tuple[bool, str]]:
-    """The checkpoint name takes {epoch} only, and its folder (or the nearest that exists) must be writable."""
-    if template is None:
-        return []
-    try:
-        path = os.path.abspath(template.format(epoch=0))
-    except (KeyError, IndexError, ValueError, TypeError, AttributeError):
-        return [(False, f"checkpoint={template!r}: the name may hold {{epoch}} (the epoch's number), "
-                        "nothing else")]
-    if os.path.isdir(path):
-        return [(False, f"checkpoint={template!r} is a folder: name a file in it, "
-                        f"e.g. {os.path.join(template, 'epoch-{epoch}.pt')}")]
-    why = ("it exists and is not a regular file (a device, a pipe or a socket): saving would replace it"
-           if os.path.exists(path) and not os.path.isfile(path) else why_unwritable(os.path.dirname(path)))
-    return [(why is None, f"checkpoint={template!r}: {why}")]
-
-
-def resume_checks(path: str | None) -> list[tuple[bool, str]]:
-    """A checkpoint named to resume from must be whole (not cut short, no byte changed)."""
-    if path in (None, "auto") or not os.path.isfile(path):
-        return []
-    why = checkpoint_problem(path)
-    return [(why is None, UnreadableCheckpoint(path, why).message)]
 
 
 def make_config(**settings) -> Config:
@@ -373,51 +349,7 @@ def save_checkpoint(t: Trainer, path: str, epoch: int) -> None:
     barrier(t.device)
 
 
-def write_privately(state: dict, path: str) -> None:
-    """torch.save to a temporary file of our own, renamed over `path` (`files.atomic_write`): a
-    reader sees the old file or the new one, never half of one. Only the owner may read it (0600,
-    a new folder 0700) unless the learner chose a shared folder: one with the setgid bit
-    (`chmod g+s`, as a group's folder is set up); there the umask decides, as for any file."""
-    folder = os.path.dirname(os.path.abspath(path))
-    shared = bool(nearest_folder(folder).stat().st_mode & stat.S_ISGID)
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    try:
-        with atomic_write(path, shared=shared) as f:
-            f.write(buffer.getbuffer())  # a full disk raises ENOSPC here (torch.save hides it)
-    except OSError as err:
-        if err.errno == errno.ENOSPC:
-            message = f"checkpoint not saved: the disk is full ({folder})"
-            raise OSError(errno.ENOSPC, message) from err
-        raise
-
-
-class UnreadableCheckpoint(ValueError):
-    """A checkpoint this trainer cannot resume from: `why` says what is wrong with the file at `path`."""
-
-    def __init__(self, path: str, why: str):
-        self.path, self.why = path, why
-        self.message = f"resume={path!r}: this checkpoint cannot be read ({why})"
-        super().__init__(self.message)
-
-
 SAVED = ("model", "optimizer", "schedule", "epoch", "step")   # what save_checkpoint writes, at least
-
-
-def checkpoint_problem(path: str) -> str | None:
-    """Why the file at `path` is not a whole checkpoint, or None. torch.save writes a zip archive
-    with a CRC-32 checksum for each of its parts: a file cut short has no directory at its end, and a
-    changed byte fails its part's checksum (torch.load itself would load such weights without a word)."""
-    try:
-        if os.path.getsize(path) == 0:
-            return "empty"
-        with zipfile.ZipFile(path) as archive:
-            bad = archive.testzip()   # reads every part
-    except OSError as err:
-        return err.strerror or str(err)
-    except Exception as err:   # zipfile's errors for a file that is no whole zip archive
-        return f"cut short or not a checkpoint: {err}"
-    return None if bad is None else f"damaged: its part {bad} fails its checksum"
 
 
 def read_checkpoint(path: str, device: torch.device) -> dict:
@@ -444,7 +376,8 @@ def find_resume(t: Trainer) -> tuple[str | None, dict | None]:
     over, in one line), and tells the others; when none can be read, every rank stops with that error."""
     if t.cfg.resume != "auto":
         return t.cfg.resume, None
-    path, state, message = newest_readable(t.cfg.checkpoint, t.device) if t.rank == 0 else (None, None, None)
+    read = lambda p: read_checkpoint(p, t.device)
+    path, state, message = newest_readable(t.cfg.checkpoint, read) if t.rank == 0 else (None, None, None)
     choice = [path, message]
     dist.broadcast_object_list(choice, src=0)
     path, message = choice
@@ -455,25 +388,6 @@ def find_resume(t: Trainer) -> tuple[str | None, dict | None]:
     elif message and t.rank == 0:
         say(message)
     return path, state
-
-
-def newest_readable(pattern: str, device: torch.device) -> tuple[str | None, dict | None, str | None]:
-    """Of the files `pattern` names, the newest that can be read: (path, state, a line naming those
-    passed over, or None); (None, None, why) when none can be; (None, None, None) when there are none."""
-    passed_over = []
-    for path in files_by_epoch(pattern):
-        try:
-            state = read_checkpoint(path, device)
-        except UnreadableCheckpoint as err:
-            passed_over.append((path, err.why))
-            continue
-        said = ", ".join(f"{p} cannot be read ({why})" for p, why in passed_over)
-        return path, state, f"resume auto: {said}; resuming from {path} instead" if passed_over else None
-    if not passed_over:
-        return None, None, None
-    return None, None, (f"resume auto: no checkpoint that checkpoint={pattern!r} names can be read: "
-                        + "; ".join(f"{p} ({why})" for p, why in passed_over)
-                        + "; remove them to start from scratch")
 
 
 def load_checkpoint(t: Trainer, path: str, state: dict | None = None) -> None:
