@@ -144,6 +144,10 @@ def test_a_seeded_ddp_cell_draws_the_same_numbers_again(magics):
     magics.ddp("start -n 2")
     seeded = [list(magics.ddp("--seed 0", cell)) for _ in range(2)]
     assert seeded == [list(first)] * 2, "a pool cell with --seed draws what a fresh launch with it draws"
+    magics.ddp("start -n 2 --seed 0")
+    assert list(magics.ddp("", cell)) == list(first), "%ddp start --seed seeds the ranks as they start"
+    with pytest.raises(UsageError, match="--seed goes with"):
+        magics.ddp("status --seed 1")
 
 
 # ---- a pasted script: its `if __name__ == "__main__":` block runs on every rank ----
