@@ -215,7 +215,7 @@ def check_all_reduce_timing(fn: Callable[[int, int, int], float], predicted_us: 
         notes.append(f"predicted: {predicted_us:,.0f} µs, {ratio:.2f}× the measurement")
         if not 1 / tolerance <= ratio <= tolerance:
             unit = next((name for factor, name in ((1e3, "ms"), (1e-3, "ms"), (1e6, "s"), (1e-6, "s"))
-                         if 1 / 3 <= ratio / factor <= 3), None)
+                         if 1 / 10 <= ratio / factor <= 10), None)   # a busy machine varies 3x and more
             hint = (f"a unit slip? It is off by about {'1e3' if unit == 'ms' else '1e6'}: α is in µs, "
                     f"S in bytes, β in GB/s = 1e3 bytes per µs" if unit else
                     "check t = α + S/β: α in µs, S in bytes, β in GB/s = 1e3 bytes per µs (if it still misses, "
