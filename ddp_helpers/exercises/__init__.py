@@ -4,15 +4,20 @@ Each checker runs the learner's function on real ranks, for several world sizes 
 lengths, including lengths the world size does not divide), and says exactly what is wrong: which
 case, which rank, which element, expected vs got. It checks the algorithm too, not only the result:
 inside the ranks, spies note the collectives and messages each rank makes, with their bytes, so a
-right result reached the wrong way is named. Every checker returns a `Verdict`, true when every
-case passes. Reference solutions are in `ddp_helpers/solutions.py` (peek after trying).
+right result reached the wrong way is named. What comes back from the ranks is plain data (numbers,
+strings, tensors, and lists, tuples and dicts of them, converted inside the rank), compared by exact
+type: no object of the learner's is unpickled in the kernel. After the public cases, each checker
+with data runs one drawn at random when it is called, so looking the public cases up does not pass.
+Every checker returns a `Verdict`, true when every case passes. Reference solutions are in
+`ddp_helpers/solutions.py` (peek after trying).
 
 The package, one concern a module:
 
     verdict    the Verdict, and the one comparison (`difference`, `close`, `near`)
+    plain      what travels from a rank to the kernel: plain data only (`to_plain`, `from_plain`)
     spies      the one layer of spies: patch-and-restore of dist.*, call logs, p2p recording,
                the dispatch-mode recorder of c10d collectives
-    runner     the one case runner (launch, hangs, errors, the stub)
+    runner     the one case runner (launch, hangs, errors, the stub, plain results, unseen cases)
     traffic    who sent what to whom, and the longest chain of messages (rounds)
     welcome 00 · collectives 00-03 · timing 04 · data_parallel 05 · ddp_cifar10 06 ·
     performance_lab 07 · sharding 08 · tensor_parallel 09 · pipeline_context 10 ·
