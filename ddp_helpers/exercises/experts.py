@@ -70,7 +70,8 @@ class CollectiveLog(DispatchSpy):
             return
         op = collective_name(schema)
         names = [a.name for a in func._schema.arguments]
-        group = dist.ProcessGroup.unbox(args[names.index("process_group")]) if "process_group" in names else None
+        unbox = getattr(dist.ProcessGroup, "unbox", None)   # the ScriptObject the operator gets -> its group
+        group = unbox(args[names.index("process_group")]) if unbox and "process_group" in names else None
         size = group.size() if group is not None else dist.get_world_size()
         given = args[1] if op.startswith(("all_gather", "reduce_scatter", "alltoall")) else args[0]
         tensors = [t for t in (given if isinstance(given, (list, tuple)) else [given]) if isinstance(t, torch.Tensor)]
