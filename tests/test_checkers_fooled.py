@@ -193,3 +193,13 @@ def steps_from_a_table(n_images, batch_per_rank, world_size):
 def test_an_answer_that_looks_up_the_public_cases_fails_a_case_drawn_now(check, fn, message):
     verdict = check(fn)
     assert not verdict and all(message in problem for problem in verdict.problems), repr(verdict)
+
+
+def test_a_plain_launchs_error_record_runs_nothing_in_the_kernel(real_verdict):
+    """Not only checkers: a rank's error reaches the kernel as exact strings, so an exception whose
+    str() is a str subclass with a __reduce__ is read as its text."""
+    from ddp_helpers import launch
+    from ddp_helpers.launcher import WorkerError
+    with pytest.raises(WorkerError, match="no square today"):
+        launch(error_whose_message_runs_code_when_unpickled, 2, quiet=True)
+    assert runner.Checker.verdict is real_verdict, "the rank's error record ran code in the kernel"

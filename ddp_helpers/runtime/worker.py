@@ -301,8 +301,14 @@ def describe_exception(exc):
         text = "".join(traceback.format_exception(type(exc), exc, _user_frames(exc.__traceback__)))
     except Exception:
         text = "".join(traceback.format_tb(_user_frames(exc.__traceback__))) + f"{type(exc).__qualname__}: {message}\n"
-    return {"type": type(exc).__qualname__, "module": type(exc).__module__, "message": message,
-            "traceback": text}
+    # Exact str copies: a str subclass (a learner's, with a __reduce__) would run code in the kernel
+    # when the launcher unpickles this record.
+    return {"type": _exact_str(type(exc).__qualname__), "module": _exact_str(type(exc).__module__),
+            "message": _exact_str(message), "traceback": _exact_str(text)}
+
+
+def _exact_str(value):
+    return str.__str__(value) if isinstance(value, str) else f"<not a str: {type(value).__name__}>"
 
 
 def _user_frames(tb):
