@@ -220,3 +220,46 @@ def test_the_collective_log_counts_split_sizes_and_bytes_to_other_ranks():
         assert [c["op"] for c in calls] == ["all_to_all", "all_reduce"]
         assert calls[0]["in_splits"] == ins and calls[0]["out_splits"] == [s + 1 + r for s in range(3)]
         assert sent == (sum(ins) - ins[r]) * 12 and calls[1]["nbytes"] == 20 and calls[1]["group"] == 3
+
+
+# ---- an error in the combine, and a list all-to-all -------------------------------------------------
+
+def unswapped_combine(y, weight, state):
+    """The combine's all-to-all with the dispatch's splits as they were, not swapped: it raises."""
+    token, slot, in_splits, out_splits = state
+    back = y.new_empty(sum(out_splits), y.shape[1])
+    dist.all_to_all_single(back, y.contiguous(), out_splits, in_splits)
+    return torch.zeros(weight.shape[0], y.shape[1]).index_add(0, token, weight[token, slot, None] * back)
+
+
+def test_an_error_in_the_combine_is_named_as_the_combines_with_its_splits():
+    verdict = check_dispatch_combine(solutions.dispatch, unswapped_combine)
+    text = repr(verdict)
+    assert not verdict and "dispatch raised" not in text, text
+    assert "rank 0: combine's all_to_all_single had input_split_sizes" in text, text
+    assert "(dispatch's, swapped); the all-to-all failed on it" in text, text
+
+
+def list_all_to_all(x, expert, n_experts):
+    """The rows sent with dist.all_to_all, a list of tensors, one per rank (Gloo's needs equal shapes)."""
+    n = dist.get_world_size()
+    m = n_experts // n
+    token, slot = (expert >= 0).nonzero(as_tuple=True)
+    order = expert[token, slot].argsort(stable=True)
+    token, slot = token[order], slot[order]
+    counts = torch.bincount(expert[token, slot], minlength=n_experts)
+    from_each = torch.empty_like(counts)
+    dist.all_to_all_single(from_each, counts)
+    in_splits = counts.view(n, m).sum(1).tolist()
+    out_splits = from_each.view(n, m).sum(1).tolist()
+    outs = [x.new_empty(s, x.shape[1]) for s in out_splits]
+    dist.all_to_all(outs, list(x[token].split(in_splits)))
+    return torch.cat(outs), (token, slot, in_splits, out_splits)
+
+
+def test_a_list_all_to_all_is_named_and_pointed_to_all_to_all_single():
+    verdict = check_dispatch_combine(list_all_to_all, solutions.combine)
+    text = repr(verdict)
+    assert not verdict, text
+    assert "rank 0: dispatch called dist.all_to_all with a list of tensors" in text, text
+    assert "one dist.all_to_all_single with input_split_sizes and output_split_sizes" in text, text

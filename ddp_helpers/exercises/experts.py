@@ -214,6 +214,10 @@ def _in_rank(dispatch, combine, case, seed, rows, ys):
 
 # ---- what went wrong, in words -----------------------------------------------------------------
 
+LIST_ALL_TO_ALL = ("called dist.all_to_all with a list of tensors: Gloo's needs them all the same shape, and "
+                   "the rows for each rank differ in number. Send them with one dist.all_to_all_single with "
+                   "input_split_sizes and output_split_sizes")
+
 def _who(labels, received, want, ranks, i) -> str:
     """Row i of a rank's received rows: which token it is, and which it should have been."""
     s, t, e = labels[i] if i < len(labels) else (None, None, None)
@@ -229,6 +233,7 @@ def _who(labels, received, want, ranks, i) -> str:
 
 def _dispatch_problem(r, res, want, case, ranks):
     world_size, tokens, width, n_experts, k, _ = case
+    error = res["error"] if res["stage"] == "dispatch" else None    # (not the combine's)
     calls = res["dispatch_calls"]
     rows = [c for c in calls if c['op'] == "all_to_all" and len(c['shape']) == 2 and "float" in c['dtype']]
     floats = [c for c in calls if len(c['shape']) == 2 and "float" in c['dtype'] and c['op'] != "all_to_all"]
@@ -239,12 +244,14 @@ def _dispatch_problem(r, res, want, case, ranks):
                 f"every token (right numbers, wrong traffic: {c['to_others'] or c['nbytes']} bytes to other ranks). "
                 f"Send each kept choice's row only to its expert's rank, with one all_to_all_single: "
                 f"{wanted * width * 4} bytes")
+    if any(c['in_splits'] is None for c in rows):
+        return "dispatch " + LIST_ALL_TO_ALL
     if rows:
         problem = _split_problem(rows[0], want, world_size)
         if problem:
-            return problem + ("; the all-to-all failed on it" if res["error"] else "")
-    if res["error"]:
-        return f"dispatch raised {res['error']}"
+            return problem + ("; the all-to-all failed on it" if error else "")
+    if error:
+        return f"dispatch raised {error}"
     if not rows:
         return "dispatch made no all_to_all_single of rows (a 2-D tensor of tokens): that is how rows travel"
     if len(rows) > 1:
@@ -281,21 +288,24 @@ def _split_problem(c, want, world_size):
 
 def _combine_problem(r, res, want, case):
     world_size, tokens, width, n_experts, k, _ = case
-    if res["error"]:
-        return f"combine raised {res['error']}"
     calls = [c for c in res["combine_calls"] if len(c['shape']) == 2 or c['op'] != "all_to_all"]
     a2a = [c for c in calls if c['op'] == "all_to_all"]
     others = [c for c in calls if c['op'] != "all_to_all"]
+    failed = "; the all-to-all failed on it" if res["error"] else ""
+    if any(c['in_splits'] is None for c in a2a):
+        return "combine " + LIST_ALL_TO_ALL
+    if len(a2a) == 1 and (a2a[0]['in_splits'] != want['out_splits'] or a2a[0]['out_splits'] != want['in_splits']):
+        c = a2a[0]
+        return (f"combine's all_to_all_single had input_split_sizes {c['in_splits']} and output_split_sizes "
+                f"{c['out_splits']}; the rows go back the way they came: {want['out_splits']} and "
+                f"{want['in_splits']} (dispatch's, swapped){failed}")
+    if res["error"]:
+        return f"combine raised {res['error']}"
     if others:
         return (f"combine called {others[0]['op']}: the experts' outputs go back to their tokens' ranks with one "
                 f"all_to_all_single, the dispatch's splits swapped")
     if len(a2a) != 1:
         return f"combine made {len(a2a)} all_to_all_single calls of rows; one sends every row home"
-    c = a2a[0]
-    if c['in_splits'] != want['out_splits'] or c['out_splits'] != want['in_splits']:
-        return (f"combine's all_to_all_single had input_split_sizes {c['in_splits']} and output_split_sizes "
-                f"{c['out_splits']}; the rows go back the way they came: {want['out_splits']} and "
-                f"{want['in_splits']} (dispatch's, swapped)")
     out = res["out"]
     if out is None or tuple(out.shape) != (tokens, width):
         return f"combine returned {'no tensor' if out is None else tuple(out.shape)}; expected ({tokens}, {width})"
