@@ -31,7 +31,7 @@ DDP_HELPERS_TUTORIAL_CODE=0 (`runtime.tutorial_ranks`):
   pool) does nothing if it asks for the same backend, rank and world size, and says so in one
   line; the matching `destroy_process_group()` does nothing too. Anything else is a clear error.
 - `MASTER_ADDR`/`MASTER_PORT` set by the rank's code, or a `tcp://` init_method, are put back to
-  the launch's own rendezvous (a port the OS picked, on 127.0.0.1), with one line that says so and
+  the launch's own rendezvous (a port the OS picked, on 127.0.0.1), with two lines that say so and
   that under torchrun those lines must go: no run collides with another, and none waits for a
   store that nobody serves. Each group formed there meets under a store prefix of its own, so a
   group formed again after destroy_process_group() finds its own peers.

@@ -36,9 +36,10 @@ def test_a_rank_that_sets_its_own_master_port_uses_the_launch_rendezvous(capfd):
     assert launch(sum_of_ranks_with_own_setup, 2, init=False, timeout=seconds(20)) == [1.0, 1.0]
     out = capfd.readouterr().out
     # before: the line did not say that under torchrun the script hangs on its own port
-    assert ("[rank 0] ddp_helpers: MASTER_ADDR:PORT localhost:12355 from your code -> this launch's own "
-            "(under torchrun, delete these lines: torchrun sets both)\n") in out, out
-    assert "[rank 1] ddp_helpers" not in out, "one line, from rank 0"
+    assert ("[rank 0] ddp_helpers: MASTER_ADDR:PORT localhost:12355 from your code -> this launch's own\n"
+            "[rank 0] ddp_helpers: under torchrun, delete the lines that set them: torchrun sets both\n") in out, out
+    assert "[rank 1] ddp_helpers" not in out, "from rank 0 only"
+    assert max(map(len, out.splitlines())) <= 100, "each line fits a notebook's width"
 
 
 def destroy_and_init_again(rounds):
@@ -77,8 +78,9 @@ def test_a_tcp_init_method_uses_the_launch_rendezvous(capfd):
     assert launch(init_at_an_address_of_its_own, 2, init=False, timeout=seconds(20)) == [2.0, 2.0]
     out = capfd.readouterr().out
     assert ("[rank 0] ddp_helpers: init_method tcp://10.11.12.13:23456 from your code -> this launch's own "
-            "rendezvous (under torchrun, drop init_method: torchrun sets MASTER_ADDR/PORT for env://)\n") in out, out
-    assert "[rank 1] ddp_helpers" not in out, "one line, from rank 0"
+            "rendezvous\n[rank 0] ddp_helpers: under torchrun, drop init_method: torchrun sets MASTER_ADDR/PORT "
+            "for env://\n") in out, out
+    assert "[rank 1] ddp_helpers" not in out, "from rank 0 only"
 
 
 def test_init_process_group_inside_a_formed_group_keeps_it(capfd):
@@ -239,7 +241,7 @@ def test_tutorial_launch_lines_run_notebook_functions_in_a_kernel():
         assert "raise RuntimeError('broken on rank one')" in text_of(out[i]), "the cell's line"
     text = text_of(out[6])
     assert "[rank 0] tensor([2.])" in text and "kept the gloo group of 2 ranks" in text, text
-    assert "12355 from your code -> this launch's own (under torchrun, delete these lines" in text, text
+    assert "12355 from your code -> this launch's own\n[rank 0] ddp_helpers: under torchrun, delete" in text, text
     # before: the Pipe end passed, and arrived in the rank as a bare file descriptor
     errors = [o for o in out[7].outputs if o.output_type == "error"]
     assert errors and errors[0].ename == "TypeError", text_of(out[7])

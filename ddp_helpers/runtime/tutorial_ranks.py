@@ -142,11 +142,11 @@ def _use_the_launch_rendezvous(init_method=None):
         return
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = _RankShims.launch_addr, _RankShims.launch_port
     if init_method is not None and not _is_the_launch_store(init_method):
-        _say(f"init_method {init_method} from your code -> this launch's own rendezvous (under torchrun, "
-             "drop init_method: torchrun sets MASTER_ADDR/PORT for env://)")
+        _say(f"init_method {init_method} from your code -> this launch's own rendezvous")
+        _say("under torchrun, drop init_method: torchrun sets MASTER_ADDR/PORT for env://")
     elif (addr, port) != (_RankShims.launch_addr, _RankShims.launch_port):
-        _say(f"MASTER_ADDR:PORT {addr}:{port} from your code -> this launch's own (under torchrun, delete "
-             "these lines: torchrun sets both)")
+        _say(f"MASTER_ADDR:PORT {addr}:{port} from your code -> this launch's own")
+        _say("under torchrun, delete the lines that set them: torchrun sets both")
 
 
 def _mark_rendezvous(where):
