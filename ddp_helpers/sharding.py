@@ -1,6 +1,7 @@
 """Plumbing for notebook 08 (sharding): count the bytes a rank holds, record what
 FSDP2 does in a step, in order (its hooks and the collectives they issue, with
-dtypes and bytes: `FsdpTrace`), and draw the ZeRO stages and the memory table
+dtypes and bytes: `FsdpTrace`), note the group each collective ran in (`GroupTrace`, for
+HSDP's 2-D mesh), and draw the ZeRO stages and the memory table
 (the plot functions return the figure).
 
 The "Try it" exercise's checker lives with the others (`exercises.sharding`), and is
@@ -19,6 +20,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from .compat import renamed
 from .exercises.sharding import check_shard_and_reassemble
@@ -28,7 +30,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 __all__ = ["storage_bytes", "rank_memory", "CATEGORIES", "format_table", "plot_memory_table", "plot_zero_stages",
-           "FsdpTrace", "format_gather_order", "all_gather_single", "check_shard_and_reassemble"]
+           "FsdpTrace", "GroupTrace", "format_gather_order", "all_gather_single", "check_shard_and_reassemble"]
 
 # ---------------------------------------------------------------- memory accounting
 
@@ -245,6 +247,41 @@ class FsdpTrace(DispatchSpy):
                 key = (event[0], str(event[2]).replace("torch.", ""))
                 total[key] = total.get(key, 0) + event[3]
         return total
+
+
+class GroupTrace(DispatchSpy):
+    """Notes each c10d collective this rank runs, with the ranks of the group it ran in. Use it as a
+    context manager inside a rank:
+
+        calls: [(collective, ranks of its group, bytes this rank put in), ...] in order
+        totals({ranks: name}): ({"all_gather over shard": count, ...}, {same keys: bytes put in})
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def see(self, func, args):
+        found = _c10d_name(func, args)
+        if not found:
+            return
+        unbox = getattr(dist.ProcessGroup, "unbox", None)   # the operator gets its group as a ScriptObject
+        names = [a.name for a in func._schema.arguments]
+        if unbox is None or "process_group" not in names:
+            raise RuntimeError(f"GroupTrace cannot tell the group of {func._schema.name} in torch "
+                               f"{torch.__version__} (no ProcessGroup.unbox or no process_group argument)")
+        ranks = tuple(dist.get_process_group_ranks(unbox(args[names.index("process_group")])))
+        collective, sent = found
+        self.calls.append((collective, ranks, sum(t.numel() * t.element_size() for t in sent)))
+
+    def totals(self, group_names: dict) -> tuple[dict, dict]:
+        """({"<collective> over <name>": count}, {same: bytes put in}), a group named by its ranks."""
+        counts, sent = {}, {}
+        for collective, ranks, nbytes in self.calls:
+            key = f"{collective} over {group_names[ranks]}"
+            counts[key] = counts.get(key, 0) + 1
+            sent[key] = sent.get(key, 0) + nbytes
+        return counts, sent
 
 
 def format_gather_order(orders: dict[str, list]) -> str:
