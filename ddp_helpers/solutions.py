@@ -234,10 +234,12 @@ def one_f_one_b(forward, backward, m, rank, p):
 
 def dispatch(x, expert, n_experts):
     """Notebook 13: send each kept choice's token to the rank of its expert (rank r holds experts
-    r*m ... r*m+m-1). Sorted by expert, the rows for rank j are one block; the counts go first (one
-    all-to-all of a few integers), so each rank knows how many rows each rank sends it; then one
-    all_to_all_single moves the rows, with uneven splits. Returns the rows this rank's experts get (by
-    source rank, then expert, in token order) and what combine needs."""
+    r*m ... r*m+m-1), and return them grouped by expert. Sorted by expert, the rows for rank j are one
+    block; the counts go first (one all-to-all of a few integers), so each rank knows how many rows each
+    rank sends it for each of its experts; then one all_to_all_single moves the rows, with uneven
+    splits. They arrive by source rank, then expert: block (s, e) holds from_each[s, e] rows. Taking the
+    blocks expert by expert gives each expert's rows as one block (as a grouped matrix multiply takes
+    them), each source rank's in turn, in token order. Returns those rows and what combine needs."""
     n = dist.get_world_size()
     m = n_experts // n                                           # experts per rank
     token, slot = (expert >= 0).nonzero(as_tuple=True)           # the kept choices, in token order
@@ -245,20 +247,25 @@ def dispatch(x, expert, n_experts):
     token, slot = token[order], slot[order]
     counts = torch.bincount(expert[token, slot], minlength=n_experts)
     from_each = torch.empty_like(counts)
-    dist.all_to_all_single(from_each, counts)                    # rows for my experts, from each rank
+    dist.all_to_all_single(from_each, counts)                    # [source rank s, my expert e], flat
     in_splits = counts.view(n, m).sum(1).tolist()                # rows to each rank
     out_splits = from_each.view(n, m).sum(1).tolist()            # rows from each rank
-    received = x.new_empty(sum(out_splits), x.shape[1])
-    dist.all_to_all_single(received, x[token], out_splits, in_splits)
-    return received, (token, slot, in_splits, out_splits)
+    arrived = x.new_empty(sum(out_splits), x.shape[1])
+    dist.all_to_all_single(arrived, x[token], out_splits, in_splits)    # by source rank, then expert
+    blocks = torch.arange(len(arrived)).split(from_each.tolist())       # the positions of block (s, e)
+    by_expert = torch.cat([blocks[s * m + e] for e in range(m) for s in range(n)])
+    return arrived[by_expert], (token, slot, in_splits, out_splits, by_expert)
 
 
 def combine(y, weight, state):
-    """Notebook 13: the experts' outputs go home with the dispatch's splits swapped; each token's
+    """Notebook 13: the experts' outputs, given in dispatch's order (by expert), go back into the order
+    their rows arrived (by source rank), then home with the dispatch's splits swapped; each token's
     output is the sum of its kept choices' outputs, each times its router weight (0 for a token whose
     every choice was dropped: the residual connection carries it)."""
-    token, slot, in_splits, out_splits = state
+    token, slot, in_splits, out_splits, by_expert = state
+    arrived = torch.empty_like(y)
+    arrived[by_expert] = y                                       # y[i]: the row that arrived by_expert[i]-th
     back = y.new_empty(sum(in_splits), y.shape[1])
-    dist.all_to_all_single(back, y.contiguous(), in_splits, out_splits)
+    dist.all_to_all_single(back, arrived, in_splits, out_splits)
     out = torch.zeros(weight.shape[0], y.shape[1], dtype=y.dtype)
     return out.index_add(0, token, weight[token, slot, None] * back)

@@ -44,7 +44,7 @@ def gather_everything(x, expert, n_experts):
     xs, es = [torch.empty_like(x) for _ in range(n)], [torch.empty_like(expert) for _ in range(n)]
     dist.all_gather(xs, x)
     dist.all_gather(es, expert)
-    rows = [xs[s][t] for s in range(n) for e in range(r * m, r * m + m) for t in range(len(x))
+    rows = [xs[s][t] for e in range(r * m, r * m + m) for s in range(n) for t in range(len(x))
             if (es[s][t] == e).any()]
     received = torch.stack(rows) if rows else x.new_empty(0, x.shape[1])
     return received, (xs, es, m)
@@ -58,8 +58,8 @@ def sum_everything(y, weight, state):
     dist.all_gather(ws, weight)
     tokens = len(xs[0])
     out, i = torch.zeros(n * tokens, y.shape[1]), 0
-    for s in range(n):
-        for e in range(r * m, r * m + m):
+    for e in range(r * m, r * m + m):
+        for s in range(n):
             for t in range(tokens):
                 hit = (es[s][t] == e).nonzero()
                 if len(hit):
@@ -107,9 +107,11 @@ def reversed_splits(x, expert, n_experts):
     dist.all_to_all_single(from_each, counts)
     in_splits = counts.view(n, m).sum(1).tolist()[::-1]         # wrong: rank n-1's count first
     out_splits = from_each.view(n, m).sum(1).tolist()
-    received = x.new_empty(sum(out_splits), x.shape[1])
-    dist.all_to_all_single(received, x[token], out_splits, in_splits)
-    return received, (token, slot, in_splits, out_splits)
+    arrived = x.new_empty(sum(out_splits), x.shape[1])
+    dist.all_to_all_single(arrived, x[token], out_splits, in_splits)
+    blocks = torch.arange(len(arrived)).split(from_each.tolist())
+    by_expert = torch.cat([blocks[s * m + e] for e in range(m) for s in range(n)])
+    return arrived[by_expert], (token, slot, in_splits, out_splits, by_expert)
 
 
 def test_splits_in_the_wrong_order_are_named_with_the_rank_and_the_splits():
@@ -131,27 +133,110 @@ def rows_in_token_order(x, expert, n_experts):
     dist.all_to_all_single(from_each, counts)
     in_splits = counts.view(n, m).sum(1).tolist()
     out_splits = from_each.view(n, m).sum(1).tolist()
-    received = x.new_empty(sum(out_splits), x.shape[1])
-    dist.all_to_all_single(received, x[token], out_splits, in_splits)
-    return received, (token, slot, in_splits, out_splits)
+    arrived = x.new_empty(sum(out_splits), x.shape[1])
+    dist.all_to_all_single(arrived, x[token], out_splits, in_splits)
+    blocks = torch.arange(len(arrived)).split(from_each.tolist())
+    by_expert = torch.cat([blocks[s * m + e] for e in range(m) for s in range(n)])
+    return arrived[by_expert], (token, slot, in_splits, out_splits, by_expert)
 
 
-def test_rows_not_sorted_by_expert_are_named_by_rank_and_token():
+def test_rows_not_sorted_by_expert_are_named_by_rank_and_token_where_they_are_sent():
     verdict = check_dispatch_combine(rows_in_token_order, solutions.combine)
     text = repr(verdict)
     assert not verdict, text
-    s, t, e = experts._expected(experts.CASES[0], 13)[0]["labels"][0]    # rank 0's first row, sorted
-    assert (s, e) == (0, 0) and t > 0                                  # token 0 did not choose expert 0
-    assert "rank 0: row 0 is token 0 of rank 0 (kept experts" in text, text
+    r, t, e = experts._expected(experts.CASES[0], 13)[0]["sent_labels"][0]    # rank 0's first row, sorted
+    assert (r, e) == (0, 0) and t > 0                                        # token 0 did not choose expert 0
+    assert ("rank 0: the rows its all_to_all_single sent are out of order: row 0 is token 0 of rank 0 "
+            "(kept experts") in text, text
     assert f"expected token {t} of rank 0 (for expert 0)" in text and "sorted by expert" in text, text
+
+
+# ---- the rows left in the order they arrived (ep_moe's order), and a combine that keeps its order -------
+
+def rows_as_they_arrived(x, expert, n_experts):
+    """Counts, splits and rows right, but returned as the all-to-all delivers them: by source rank."""
+    n = dist.get_world_size()
+    m = n_experts // n
+    token, slot = (expert >= 0).nonzero(as_tuple=True)
+    order = expert[token, slot].argsort(stable=True)
+    token, slot = token[order], slot[order]
+    counts = torch.bincount(expert[token, slot], minlength=n_experts)
+    from_each = torch.empty_like(counts)
+    dist.all_to_all_single(from_each, counts)
+    in_splits = counts.view(n, m).sum(1).tolist()
+    out_splits = from_each.view(n, m).sum(1).tolist()
+    received = x.new_empty(sum(out_splits), x.shape[1])
+    dist.all_to_all_single(received, x[token], out_splits, in_splits)
+    return received, (token, slot, in_splits, out_splits, torch.arange(len(received)))
+
+
+def test_rows_left_in_the_order_they_arrived_are_named_with_the_rank_and_row():
+    verdict = check_dispatch_combine(rows_as_they_arrived, solutions.combine)
+    text = repr(verdict)
+    assert not verdict, text
+    want = experts._expected(experts.CASES[0], 13)[0]
+    i = next(i for i, (a, b) in enumerate(zip(want["arrival"], want["labels"])) if a != b)   # first row out of place
+    s, t, e = want["labels"][i]
+    assert (f"rank 0: dispatch returned the rows in the order they arrived (by source rank, then expert): "
+            f"row {i} is") in text, text
+    assert f"expected token {t} of rank {s} (for expert {e})" in text, text
+    assert "Regroup them by expert, then source rank" in text, text
+
+
+def combine_in_given_order(y, weight, state):
+    """The outputs sent home in the order dispatch returned the rows (by expert), never put back."""
+    token, slot, in_splits, out_splits, _ = state
+    back = y.new_empty(sum(in_splits), y.shape[1])
+    dist.all_to_all_single(back, y.contiguous(), in_splits, out_splits)
+    return torch.zeros(weight.shape[0], y.shape[1]).index_add(0, token, weight[token, slot, None] * back)
+
+
+def test_a_combine_that_sends_the_outputs_by_expert_is_named_with_the_row_and_token():
+    verdict = check_dispatch_combine(solutions.dispatch, combine_in_given_order)
+    text = repr(verdict)
+    assert not verdict, text
+    want = experts._expected(experts.CASES[0], 13)[0]
+    i = next(i for i, (a, b) in enumerate(zip(want["arrival"], want["labels"])) if a != b)
+    (s, t, e), (s2, t2, e2) = want["arrival"][i], want["labels"][i]
+    assert (f"rank 0: combine's all_to_all_single sent the outputs in the order it was given them (by expert, "
+            f"then source rank): its row {i} is the output for token {t2} of rank {s2} (expert {e2}); expected "
+            f"the output for token {t} of rank {s} (expert {e})") in text, text
+    assert "Put the outputs back in the order the rows arrived" in text, text
+
+
+# ---- no counts exchange: Gloo aborts a rank --------------------------------------------------------
+
+def no_counts_exchange(x, expert, n_experts):
+    """The classic mistake: no counts exchanged, so each rank takes its own splits for what it receives."""
+    n = dist.get_world_size()
+    m = n_experts // n
+    token, slot = (expert >= 0).nonzero(as_tuple=True)
+    order = expert[token, slot].argsort(stable=True)
+    token, slot = token[order], slot[order]
+    in_splits = torch.bincount(expert[token, slot], minlength=n_experts).view(n, m).sum(1).tolist()
+    received = x.new_empty(sum(in_splits), x.shape[1])
+    dist.all_to_all_single(received, x[token], in_splits, in_splits)     # wrong: output splits unknown
+    return received, (token, slot, in_splits, in_splits, torch.arange(len(received)))
+
+
+def test_forgetting_the_counts_exchange_is_named_in_the_first_case():
+    verdict = check_dispatch_combine(no_counts_exchange, solutions.combine)
+    text = repr(verdict)
+    assert not verdict, text
+    first = text.splitlines()[1]
+    assert first.startswith("   - world_size=2, 4 experts, top-2, 6 tokens per rank: rank "), text
+    assert "output_split_sizes" in first and "only the counts, exchanged first" in first, text
+    assert "Received data size doesn't match expected size" in first, text
 
 
 # ---- a combine without the router's weights --------------------------------------------------------
 
 def unweighted_combine(y, weight, state):
-    token, slot, in_splits, out_splits = state
+    token, slot, in_splits, out_splits, by_expert = state
+    arrived = torch.empty_like(y)
+    arrived[by_expert] = y
     back = y.new_empty(sum(in_splits), y.shape[1])
-    dist.all_to_all_single(back, y.contiguous(), in_splits, out_splits)
+    dist.all_to_all_single(back, arrived, in_splits, out_splits)
     return torch.zeros(weight.shape[0], y.shape[1]).index_add(0, token, back)    # no weight
 
 
@@ -226,9 +311,11 @@ def test_the_collective_log_counts_split_sizes_and_bytes_to_other_ranks():
 
 def unswapped_combine(y, weight, state):
     """The combine's all-to-all with the dispatch's splits as they were, not swapped: it raises."""
-    token, slot, in_splits, out_splits = state
+    token, slot, in_splits, out_splits, by_expert = state
+    arrived = torch.empty_like(y)
+    arrived[by_expert] = y
     back = y.new_empty(sum(out_splits), y.shape[1])
-    dist.all_to_all_single(back, y.contiguous(), out_splits, in_splits)
+    dist.all_to_all_single(back, arrived, out_splits, in_splits)
     return torch.zeros(weight.shape[0], y.shape[1]).index_add(0, token, weight[token, slot, None] * back)
 
 
@@ -254,7 +341,9 @@ def list_all_to_all(x, expert, n_experts):
     out_splits = from_each.view(n, m).sum(1).tolist()
     outs = [x.new_empty(s, x.shape[1]) for s in out_splits]
     dist.all_to_all(outs, list(x[token].split(in_splits)))
-    return torch.cat(outs), (token, slot, in_splits, out_splits)
+    blocks = torch.arange(sum(out_splits)).split(from_each.tolist())
+    by_expert = torch.cat([blocks[s * m + e] for e in range(m) for s in range(n)])
+    return torch.cat(outs)[by_expert], (token, slot, in_splits, out_splits, by_expert)
 
 
 def test_a_list_all_to_all_is_named_and_pointed_to_all_to_all_single():

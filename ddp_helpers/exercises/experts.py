@@ -1,25 +1,31 @@
 """Notebook 13's exercise and its byte counter: the dispatch and combine of expert parallelism.
 
 `check_dispatch_combine(dispatch, combine)`: the learner writes the two all-to-alls of a mixture-of-
-experts layer split over ranks (rank r holds experts r*m ... r*m+m-1, m = n_experts / world_size):
+experts layer split over ranks (rank r holds experts r*m ... r*m+m-1, m = n_experts / world_size), with
+the rows each rank receives grouped by expert (each expert's rows one block, as a grouped matrix
+multiply takes them), not by source rank as the all-to-all delivers them:
 
     received, state = dispatch(x, expert, n_experts)   # x (T, d) this rank's tokens; expert (T, k) the
                                                        # experts each token chose, -1 where dropped
-    out = combine(y, weight, state)                    # y: the experts' output for each received row;
-                                                       # weight (T, k): the router's weights
+    out = combine(y, weight, state)                    # y: the experts' output for each received row,
+                                                       # in its order; weight (T, k): the router's weights
 
 The checker routes random tokens itself (top-k with a capacity, so some choices are dropped), runs both
 functions on real Gloo ranks with its own experts between them, and checks, in this order: what each
 rank's dispatch called (the counts first, then ONE all_to_all_single of rows; an all-gather of the tokens
-gives the right numbers and is named for its traffic), the split sizes of that all-to-all, the rows each
-rank received (by source rank, then expert, in token order: the row that went wrong is named by its rank
-and token), the combine's one all-to-all with the splits swapped, and each token's output against one
-process (a combine without the router's weights, or one that returns a dropped token itself, is named).
-A last case, drawn when the checker runs (`runner.unseen`), has random sizes and data.
+gives the right numbers and is named for its traffic), the split sizes of that all-to-all, the rows it
+sent (sorted by expert, in token order), the rows it returned (by expert, then source rank, in token
+order: the row that went wrong is named by its rank and token, and rows left in the order they arrived
+are named as such), the combine's one all-to-all with the splits swapped and the rows it sent (back in
+the order they arrived), and each token's output against one process (a combine without the router's
+weights, or one that returns a dropped token itself, is named). Split sizes that do not match between
+ranks make Gloo abort a rank; that case is named too (the counts exchange). A last case, drawn when the
+checker runs (`runner.unseen`), has random sizes and data.
 
 `CollectiveLog`, used inside a rank, notes every c10d collective below torch.distributed's Python
 functions (however it was reached): its name, group size, the bytes handed in and, for an all-to-all,
-the split sizes and the bytes sent to other ranks. Notebook 13 counts its traffic with it.
+the split sizes and the bytes sent to other ranks (with `keep_rows`, also a copy of the rows sent).
+Notebook 13 counts its traffic with it.
 """
 from __future__ import annotations
 
@@ -60,9 +66,10 @@ class CollectiveLog(DispatchSpy):
     """Inside a rank: `with CollectiveLog() as log:` notes each c10d collective in `log.calls`, as
     plain dicts (the fields of `Call`), so they can be returned from a rank as they are."""
 
-    def __init__(self):
+    def __init__(self, keep_rows: bool = False):
         super().__init__()
         self.calls: list[dict] = []
+        self.keep_rows = keep_rows     # each all_to_all_single's input, copied, as its call's "rows"
 
     def see(self, func, args) -> None:
         schema = func._schema.name
@@ -90,6 +97,8 @@ class CollectiveLog(DispatchSpy):
         elif op == "send":
             call.to_others = call.nbytes
         self.calls.append(dataclasses.asdict(call))
+        if self.keep_rows and schema == "c10d::alltoall_base_":
+            self.calls[-1]["rows"] = _plain(first)
 
     def sent(self, op: str | None = None) -> int:
         """Bytes this rank's all-to-alls and all-gathers sent to other ranks (or those of `op` only)."""
@@ -131,26 +140,30 @@ def _apply_expert(mats, e, rows):
 
 
 def _expected(case, seed):
-    """Per rank: the rows it must receive with (source rank, token, expert) for each, the counts from
-    each source for each of its experts, its splits, the experts' output on its rows, and the one-process
+    """Per rank: the rows it must send (`sent_labels`: (rank, token, expert) for each, sorted by
+    expert), those it receives in the order they arrive (`arrival`: by source rank, then expert) and in
+    the order dispatch returns them (`labels`: by expert, then source rank), its splits, the experts'
+    output on its rows (`y`, in `labels` order; `y_arrival`, in arrival order) and the one-process
     output of its tokens."""
     world_size, tokens, width, n_experts, k, _ = case
     ranks, mats = _case_data(case, seed)
     m = n_experts // world_size
     per_rank = []
     for r in range(world_size):
-        labels, rows, counts = [], [], torch.zeros(world_size, m, dtype=torch.long)
+        arrival, counts = [], torch.zeros(world_size, m, dtype=torch.long)
         for s, (x, expert, _) in enumerate(ranks):
             for e in range(r * m, r * m + m):
                 for t in range(tokens):
-                    for _ in range(int((expert[t] == e).sum())):
-                        labels.append((s, t, e))
-                        rows.append(x[t])
+                    if (expert[t] == e).any():          # (top-k: an expert at most once per token)
+                        arrival.append((s, t, e))
                         counts[s, e - r * m] += 1
-        received = torch.stack(rows) if rows else torch.empty(0, width)
-        y = torch.cat([_apply_expert(mats, e, received[i:i + 1]) for i, (_, _, e) in enumerate(labels)]) \
-            if labels else torch.empty(0, width)
+        labels = sorted(arrival, key=lambda label: (label[2], label[0]))   # stable: tokens stay in order
+        stack = lambda rows: torch.stack(rows) if rows else torch.empty(0, width)
+        received = stack([ranks[s][0][t] for s, t, _ in labels])
+        y = stack([_apply_expert(mats, e, ranks[s][0][t:t + 1])[0] for s, t, e in labels])
+        y_arrival = stack([y[labels.index(label)] for label in arrival])
         x, expert, weight = ranks[r]
+        sent_labels = [(r, t, e) for e in range(n_experts) for t in range(tokens) if (expert[t] == e).any()]
         out = torch.zeros(tokens, width)
         for t in range(tokens):
             for j in range(k):
@@ -158,8 +171,11 @@ def _expected(case, seed):
                     out[t] += weight[t, j] * _apply_expert(mats, int(expert[t, j]), x[t:t + 1])[0]
         kept = expert[expert >= 0]
         in_splits = [int(((kept >= q * m) & (kept < q * m + m)).sum()) for q in range(world_size)]
-        per_rank.append(dict(labels=labels, received=received, y=y, out=out, in_splits=in_splits,
-                             out_splits=counts.sum(1).tolist(), x=x, expert=expert, weight=weight, mats=mats))
+        per_rank.append(dict(labels=labels, arrival=arrival, sent_labels=sent_labels, received=received,
+                             arrived=stack([ranks[s][0][t] for s, t, _ in arrival]),
+                             sent=stack([x[t] for _, t, _ in sent_labels]), y=y, y_arrival=y_arrival, out=out,
+                             in_splits=in_splits, out_splits=counts.sum(1).tolist(), x=x, expert=expert,
+                             weight=weight, mats=mats))
     return per_rank
 
 
@@ -176,7 +192,7 @@ def _in_rank(dispatch, combine, case, seed, rows, ys):
     ranks, _ = _case_data(case, seed)
     x, expert, weight = ranks[rank]
     result = {"error": None, "stage": "dispatch", "received": None, "out": None, "stub": None}
-    with CollectiveLog() as log:
+    with CollectiveLog(keep_rows=True) as log:
         try:
             got = dispatch(x.clone(), expert.clone(), case[3])
         except NotImplementedError:
@@ -200,7 +216,7 @@ def _in_rank(dispatch, combine, case, seed, rows, ys):
     if not ok.item():
         return result
     result["stage"] = "combine"
-    with CollectiveLog() as log:
+    with CollectiveLog(keep_rows=True) as log:
         try:
             out = combine(ys[rank].clone(), weight.clone(), state)
         except NotImplementedError:
@@ -218,6 +234,12 @@ LIST_ALL_TO_ALL = ("called dist.all_to_all with a list of tensors: Gloo's needs 
                    "the rows for each rank differ in number. Send them with one dist.all_to_all_single with "
                    "input_split_sizes and output_split_sizes")
 
+SIZES_DIFFER = ("a rank got more rows than its output_split_sizes made room for. Rank i's "
+                "output_split_sizes[j] must equal rank j's input_split_sizes[i]: only the counts, exchanged "
+                "first with an all_to_all_single of n_experts integers, tell rank i how many rows each rank "
+                "sends it")
+
+
 def _who(labels, received, want, ranks, i) -> str:
     """Row i of a rank's received rows: which token it is, and which it should have been."""
     s, t, e = labels[i] if i < len(labels) else (None, None, None)
@@ -229,6 +251,14 @@ def _who(labels, received, want, ranks, i) -> str:
     q, u = found[0]
     chose = [int(c) for c in ranks[q][1][u] if c >= 0]
     return f"row {i} is token {u} of rank {q} (kept experts {chose}); expected {should}"
+
+
+def _first_wrong_row(got, want) -> int | None:
+    """The first row where two tensors of rows differ (the shorter one's end counts), or None."""
+    for i in range(max(len(got), len(want))):
+        if i >= len(got) or i >= len(want) or not torch.equal(got[i], want[i]):
+            return i
+    return None
 
 
 def _dispatch_problem(r, res, want, case, ranks):
@@ -259,17 +289,33 @@ def _dispatch_problem(r, res, want, case, ranks):
     if not any(len(c['shape']) == 1 for c in calls[:calls.index(rows[0])]):
         return ("dispatch sent rows without exchanging the counts first: a rank cannot know its "
                 "output_split_sizes (how many rows each rank sends it) without them")
+    sent = rows[0].get("rows")
+    i = _first_wrong_row(sent, want["sent"]) if isinstance(sent, torch.Tensor) else None
+    if i is not None:
+        who = _who(want['sent_labels'], sent, want, ranks, i)
+        return (f"the rows its all_to_all_single sent are out of order: {who}: each rank sends the rows of "
+                f"split j to rank j, so its kept choices must be sorted by expert "
+                f"(stably: each expert's in token order) to match its splits")
+    return None
+
+
+def _received_problem(r, res, want, ranks):
+    """After every rank's dispatch sent the right rows: the rows it returned, in their order."""
     got = res["received"]
     if got is None:
         return "dispatch returned no tensor of received rows"
     if tuple(got.shape) != tuple(want["received"].shape):
         return f"received rows of shape {tuple(got.shape)}; expected {tuple(want['received'].shape)}"
-    for i in range(len(got)):
-        if not torch.equal(got[i], want["received"][i]):
-            return (f"{_who(want['labels'], got, want, ranks, i)}: the rows arrive grouped by source rank, "
-                    f"then by expert, in token order; each rank sends the rows of split j to rank j, so "
-                    f"its rows must be sorted by expert to match its splits")
-    return None
+    i = _first_wrong_row(got, want["received"])
+    if i is None:
+        return None
+    if torch.equal(got, want["arrived"]):
+        return (f"dispatch returned the rows in the order they arrived (by source rank, then expert): "
+                f"{_who(want['labels'], got, want, ranks, i)}. Regroup them by expert, then source rank "
+                f"(the counts say where the block of each source rank and expert starts), and let combine "
+                f"put the outputs back in the order the rows arrived")
+    return (f"{_who(want['labels'], got, want, ranks, i)}: dispatch returns each expert's rows as one "
+            f"block, in expert order; in a block, rank 0's rows first, then rank 1's, ..., each in token order")
 
 
 def _split_problem(c, want, world_size):
@@ -306,6 +352,19 @@ def _combine_problem(r, res, want, case):
                 f"all_to_all_single, the dispatch's splits swapped")
     if len(a2a) != 1:
         return f"combine made {len(a2a)} all_to_all_single calls of rows; one sends every row home"
+    sent = a2a[0].get("rows")
+    i = _first_wrong_row(sent, want["y_arrival"]) if isinstance(sent, torch.Tensor) else None
+    if i is not None:
+        given = "the outputs in the order it was given them (by expert, then source rank)" \
+            if torch.equal(sent, want["y"]) else "rows in another order"
+        s, t, e = want["arrival"][i] if i < len(want["arrival"]) else (None, None, None)
+        found = [label for j, label in enumerate(want["labels"])
+                 if i < len(sent) and torch.equal(want["y"][j], sent[i])]
+        was = f"the output for token {found[0][1]} of rank {found[0][0]} (expert {found[0][2]})" if found else \
+            "no output of this rank's experts" if i < len(sent) else "nothing"
+        return (f"combine's all_to_all_single sent {given}: its row {i} is {was}; expected the output for token "
+                f"{t} of rank {s} (expert {e}). Put the outputs back in the order the rows arrived (by source rank, "
+                f"then expert) before sending them home: split j goes back to rank j")
     out = res["out"]
     if out is None or tuple(out.shape) != (tokens, width):
         return f"combine returned {'no tensor' if out is None else tuple(out.shape)}; expected ({tokens}, {width})"
@@ -372,13 +431,19 @@ def check_dispatch_combine(dispatch: Callable, combine: Callable) -> Verdict:
             never_finished="they wait in an all-to-all another rank never joined, or with sizes that do "
                            "not match (every rank calls the same collectives, and rank j's "
                            "output_split_sizes[i] equals rank i's input_split_sizes[j])",
-            partner_left=": another rank left the all-to-all (its split sizes did not match)")
+            partner_left=": another rank left the all-to-all (its split sizes did not match)",
+            size_mismatch=SIZES_DIFFER)
         if results is None:
             continue
         ranks, _ = _case_data(case, seed)
         problem = _stub_problem(results, dispatch, combine)
         for r, res in enumerate(results if not problem else []):
             problem = _dispatch_problem(r, res, want[r], case, ranks)
+            if problem:
+                problem = f"rank {r}: {problem}"
+                break
+        for r, res in enumerate(results if not problem else []):    # every rank sent the right rows
+            problem = _received_problem(r, res, want[r], ranks)
             if problem:
                 problem = f"rank {r}: {problem}"
                 break

@@ -3,8 +3,9 @@
 `run_case` launches `in_rank(*args)` on `world_size` Gloo ranks and turns every way that can fail
 into one line for the verdict: ranks that never finished (a hang: `never_finished` says what the
 learner most likely did), a rank that raised or died (with `partner_left` where Gloo says its peer
-went away, and `on_error` always), the learner's function still being the stub, a function that
-cannot be sent to a rank. Every checker's cases go through it.
+went away, `size_mismatch` where Gloo said a rank received more data than it expected, and
+`on_error` always), the learner's function still being the stub, a function that cannot be sent to a
+rank. Every checker's cases go through it.
 
 What the ranks send back is plain data (`plain`): the rank's result is described with builtin types
 inside the rank, an error as plain text, and the launcher reads what the ranks wrote refusing any
@@ -26,11 +27,18 @@ from unittest import mock
 
 from .. import launcher
 from ..launcher import WorkerError, WorkerTimeout, launch
+from ..runtime.run_dirs import rank_file
 from . import plain
 from .verdict import Verdict
 
 HANG_TIMEOUT_S = 10   # a learner's ranks that have not finished by then are stuck (a send without its recv)
 DRAWN = " (a case drawn at random now)"   # said after the label of an unseen case
+# Gloo's words when a rank receives more bytes than it posted room for (sizes that differ between
+# the ranks of one collective): it aborts that rank's process, so they are found in its log.
+GLOO_SIZE_MISMATCH = "Received data size doesn't match expected size"
+SIZE_MISMATCH = ("the ranks gave one collective sizes that do not match (in an all-to-all, rank i's "
+                 "output_split_sizes[j] must equal rank j's input_split_sizes[i])")
+LOG_TAIL_BYTES = 16384
 NOT_PLAIN = ("the ranks sent something other than plain data ({}): the checker reads numbers, strings and "
              "tensors, and lists, tuples and dicts of them")
 
@@ -52,6 +60,23 @@ class Outcome:
 
 def _first_line(err: BaseException) -> str:
     return str(err).splitlines()[0].split(". This is typically")[0][:300] if str(err) else type(err).__name__
+
+
+def _gloo_said(err: WorkerError, world_size: int, words: str) -> bool:
+    """Whether Gloo's `words` are in the error or near the end of a rank's log (a rank Gloo aborted
+    wrote them there; its error says only which signal killed it)."""
+    if words in str(err):
+        return True
+    for rank in range(world_size if err.log_dir else 0):
+        try:
+            with open(rank_file(err.log_dir, rank, "log"), "rb") as f:
+                f.seek(0, 2)
+                f.seek(max(0, f.tell() - LOG_TAIL_BYTES))
+                if words in f.read().decode("utf-8", "replace"):
+                    return True
+        except OSError:
+            continue
+    return False
 
 
 def _plain_in_rank(in_rank: Callable, args: tuple):
@@ -82,9 +107,12 @@ def _reading_plain_data_only() -> Iterator[None]:
 
 
 def run_case(in_rank: Callable, world_size: int, args: tuple, label: str, *, timeout: float | None = None,
-             never_finished: str = "", partner_left: str = "", on_error: str = "", init: bool = True) -> Outcome:
+             never_finished: str = "", partner_left: str = "", size_mismatch: str = "", on_error: str = "",
+             init: bool = True) -> Outcome:
     """`in_rank(*args)` on `world_size` Gloo ranks, at most `timeout` seconds (HANG_TIMEOUT_S by default).
-    The results are plain data: exact builtin types and exact tensors, or `plain.Foreign`."""
+    The results are plain data: exact builtin types and exact tensors, or `plain.Foreign`. Where Gloo
+    said a rank received more data than it expected, the line says so, then `size_mismatch` (or
+    SIZE_MISMATCH)."""
     try:
         with _reading_plain_data_only():
             sent = launch(_plain_in_rank, world_size, args=(in_rank, tuple(args)),
@@ -100,6 +128,11 @@ def run_case(in_rank: Callable, world_size: int, args: tuple, label: str, *, tim
             return Outcome(problem="still raises NotImplementedError", kind="stub", error=err)
         line = _first_line(err)
         hint = partner_left if "gloo" in line.lower() or "closed" in line.lower() else ""
+        if _gloo_said(err, world_size, GLOO_SIZE_MISMATCH):
+            head, _, logs = line.partition(". Full logs: ")
+            line = f'{head} (Gloo: "{GLOO_SIZE_MISMATCH}"): {size_mismatch or SIZE_MISMATCH}' + \
+                (f". Full logs: {logs}" if logs else "")
+            hint = ""
         return Outcome(problem=f"{label}: {line}{hint}" + (f" {on_error}" if on_error else ""), kind="error",
                        error=err)
     except Exception as err:   # the function could not be sent to a rank (pickling)
