@@ -89,13 +89,20 @@ def dispatch(xs: Sequence[torch.Tensor], experts: Sequence[torch.Tensor], receiv
     return fig
 
 
-def straggler(runs: dict[str, Sequence[tuple[int, float, float]]]) -> Figure:
+def straggler(runs: dict[str, Sequence[tuple[int, float, float]]], load: float | None = None,
+              what: str = "") -> Figure:
     """runs: {label: per rank (rows its experts computed, their CPU ms, the layer's wall-clock ms)}.
     Left: rows per rank; right: the CPU time of each rank's experts (the wall clock is not drawn: on a
-    shared machine it measures the machine's load as much as the layer)."""
+    shared machine it measures the machine's load as much as the layer). The title says where it was
+    measured: this machine's CPU and cores, `load` (the load average then) and `what` was run."""
     import matplotlib.pyplot as plt
+
+    from .bench.timing import hardware_name
     n = sum(len(v) for v in runs.values())
-    fig, (left, right) = plt.subplots(1, 2, figsize=(9.5, 1.0 + 0.42 * n + 0.3 * len(runs)), sharey=True)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9.5, 1.35 + 0.42 * n + 0.3 * len(runs)), sharey=True)
+    measured = f"measured on {hardware_name(torch.device('cpu'))}"
+    measured += f", load average {load:.1f}" if load is not None else ""
+    fig.suptitle(f"{measured}: {what}" if what else measured, fontsize=9, x=0.01, ha="left")
     ticks, labels, y = [], [], 0.0
     for name, per_rank in runs.items():
         for r, (rows, cpu, _) in enumerate(per_rank):
