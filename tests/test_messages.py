@@ -247,6 +247,47 @@ def test_a_timeout_in_the_learners_code_names_the_limit_not_collectives():
     assert "waits forever" in message and info.value.in_collective == {0: "all_reduce"}, message
 
 
+def test_ranks_waiting_in_different_collectives_are_called_a_mismatch():
+    # before: "look for a rank that skipped it" and "raise the limit", when no rank skipped anything
+    # and no limit helps: rank 0 waited in all_reduce, rank 1 in broadcast (notebook 12's first cell)
+    def mismatched():
+        t = torch.ones(4)
+        if dist.get_rank() == 0:
+            dist.all_reduce(t)
+        else:
+            dist.broadcast(t, src=1)
+
+    with pytest.raises(WorkerTimeout) as info:
+        launch(mismatched, 2, timeout=seconds(1), quiet=True)
+    lines = str(info.value).splitlines()
+    hint = [line for line in lines if "different collectives" in line]
+    assert len(hint) == 1 and "mismatch" in hint[0] and "same order" in hint[0], lines
+    assert len(hint[0]) <= 100, hint[0]
+    assert "skipped" not in str(info.value) and "raise the limit" not in str(info.value), lines
+    assert info.value.in_collective == {0: "all_reduce", 1: "broadcast"}
+    assert all(len(line) <= 100 for line in lines if not line.startswith("Logs: ")), lines
+
+
+def fake_stack(function):
+    """A faulthandler dump of one thread waiting in torch.distributed's `function`."""
+    where = os.path.join(os.path.dirname(dist.__file__), "distributed_c10d.py")
+    return (f"Current thread 0x00007f0000000001 (most recent call first):\n"
+            f'  File "{where}", line 1 in {function}\n  File "<cell>", line 3 in step\n')
+
+
+def test_a_send_facing_a_recv_is_not_called_a_mismatch():
+    # Point-to-point ranks wait in different calls by design; nor is a rank in its own code a mismatch.
+    from ddp_helpers.runtime.stacks import describe_timeout
+    for places in ({0: "send", 1: "recv"}, {0: "all_reduce", 1: ""}):
+        stacks = {r: fake_stack(f) if f else 'Current thread 0x1 (most recent call first):\n'
+                  '  File "<cell>", line 3 in step\n' for r, f in places.items()}
+        message, _ = describe_timeout(1, [0, 1], stacks, "/tmp/logs", where="in the logs")
+        assert "mismatch" not in message and "skipped" in message, message
+    message, waiting = describe_timeout(1, [0, 1, 2], {0: fake_stack("all_reduce"), 1: fake_stack("send"),
+                                                       2: fake_stack("all_reduce")}, "/tmp/logs")
+    assert "different collectives" in message and waiting == {0: "all_reduce", 1: "send", 2: "all_reduce"}
+
+
 def test_a_pool_timeout_names_the_limit(pool):
     # before: "timed out after 1.5 s: rank(s) [1] had not finished; their stacks are printed above"
     with pytest.raises(WorkerTimeout) as info:

@@ -5,7 +5,8 @@ and in each rank's log) and reads them back from the logs; `waiting_in` tells fr
 the rank was inside torch.distributed (a collective, a rendezvous) or in code of its own;
 `describe_timeout` writes the message: it names the time limit as the learner set it (`timeout=`,
 or `-t` inside `timeout_called("-t")`, as the %%ddp magic does) with its value, and blames a
-collective only when a rank's stack is in one.
+collective only when a rank's stack is in one, a mismatch when every rank waits in one and they
+differ (notebook 12's first cell). The head, the ranks' places and a mismatch each start a line.
 """
 from __future__ import annotations
 
@@ -18,6 +19,12 @@ import torch.distributed as dist
 
 from . import PACKAGE_DIR
 from .run_dirs import rank_file
+
+WIDTH = 100   # a notebook's width: the list of where the ranks were is broken to fit it
+MISMATCH = ("They wait in different collectives: a mismatch. "
+            "All ranks must call the same ones in the same order.")
+POINT_TO_POINT = {"send", "recv", "isend", "irecv", "batch_isend_irecv", "send_object_list",
+                  "recv_object_list"}
 
 # What the time limit is called where the learner set it: `timeout=` (launch, spawn, the pool's
 # methods) unless a caller says otherwise (`timeout_called("-t")`: the %%ddp magic).
@@ -103,22 +110,52 @@ def describe_timeout(timeout: float, unfinished: list[int], stacks: dict[int, st
         head += f" (finished: {finished or 'none'})"
     places = {r: waiting_in(stacks.get(r, "")) for r in unfinished}
     in_collective = {r: place for r, place in places.items() if place}
+    lines = []
     if rendezvous:
         why = (f"rank(s) {sorted(rendezvous)} were still in init_process_group, waiting for the "
                f"rendezvous at {', '.join(sorted(set(rendezvous.values())))}: nobody serves it, or not "
                f"every rank joined it; their stacks are {where}.")
     elif in_collective:
-        who = ", ".join(f"rank {r} was waiting in {place} (torch.distributed)" if place else
-                        f"rank {r} in your own code" if place == "" else f"rank {r}: no stack came back"
-                        for r, place in sorted(places.items()))
-        why = (f"Where they were: {who}. A rank waiting in a collective for a rank that never calls it "
-               f"waits forever, so look for a rank that skipped it; their stacks are {where}. If it only "
-               f"needs more time, raise the limit (e.g. {more}).")
+        who = [f"rank {r} was waiting in {place} (torch.distributed)" if place else
+               f"rank {r} in your own code" if place == "" else f"rank {r}: no stack came back"
+               for r, place in sorted(places.items())]
+        lines.append(one_per_line("Where they were: ", who))
+        if is_mismatch(places):
+            lines.append(MISMATCH)
+            why = f"Their stacks are {where}."
+        else:
+            why = (f"A rank waiting in a collective for a rank that never calls it waits forever, so "
+                   f"look for a rank that skipped it; their stacks are {where}. If it only needs more "
+                   f"time, raise the limit (e.g. {more}).")
     elif places and all(place == "" for place in places.values()):
         why = (f"Their stacks ({where}) are in your own code, none waiting for another rank: it needs "
                f"more time than {limit} gives. Raise the limit (e.g. {more}), or give it less to do.")
     else:
         why = (f"Their stacks are {where}. A rank waiting in a collective for a rank that never calls it "
                f"waits forever; if the work only needs more time, raise the limit (e.g. {more}).")
-    tail = f" {after}" if after else ""
-    return f"{head}. {why}{tail} Logs: {log_dir}", in_collective
+    lines.append(why + (f" {after}" if after else ""))
+    return "\n".join([f"{head}.", *lines, f"Logs: {log_dir}"]), in_collective
+
+
+def one_per_line(start: str, items: list[str]) -> str:
+    """`start` and the items, comma-separated, ending in a full stop, broken only between items so
+    that each line fits WIDTH where one item does (lines after the first indented two spaces)."""
+    lines, line = [], start
+    for i, item in enumerate(items):
+        piece = item + ("." if i == len(items) - 1 else ",")
+        if line == start:
+            line += piece
+        elif len(line) + 1 + len(piece) > WIDTH:
+            lines, line = [*lines, line], "  " + piece
+        else:
+            line += " " + piece
+    return "\n".join([*lines, line])
+
+
+def is_mismatch(places: dict[int, str | None]) -> bool:
+    """Every rank whose stack came back waits in torch.distributed, and not all in the same call
+    (a send facing a recv is one kind of call: point-to-point ranks wait in different ones by design)."""
+    known = [place for place in places.values() if place is not None]
+    if not known or "" in known:
+        return False
+    return len({"point-to-point" if place in POINT_TO_POINT else place for place in known}) > 1
