@@ -19,9 +19,10 @@ The package, one concern a module:
                the dispatch-mode recorder of c10d collectives
     runner     the one case runner (launch, hangs, errors, the stub, plain results, unseen cases)
     traffic    who sent what to whom, and the longest chain of messages (rounds)
+    collective_log  every c10d collective a rank runs, with its bytes and all-to-all splits
     welcome 00 · collectives 00-03 · timing 04 · data_parallel 05 · ddp_cifar10 06 ·
     performance_lab 07 · sharding 08 · tensor_parallel 09 · pipeline_context 10 ·
-    beyond_one_machine 11 · debugging 12: the checkers, by notebook
+    beyond_one_machine 11 · debugging 12 · experts 13: the checkers, by notebook
 """
 from .beyond_one_machine import check_torchrun_command
 from .collectives import (check_all_gather, check_parity_group_sum, check_rank_squares, check_ring_all_reduce,
