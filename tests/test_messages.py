@@ -51,6 +51,7 @@ def magics():
     if magic_module.DDPMagics.pool is not None:
         magic_module.DDPMagics.pool.stop()
         magic_module.DDPMagics.pool = None
+    InteractiveShell.clear_instance()   # later tests in this process see no IPython shell
 
 
 # ---- world_size 0, torchrun's variables in env=, the seed: refused before anything starts ----
