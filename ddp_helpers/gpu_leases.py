@@ -93,7 +93,7 @@ def visible_gpus(env: dict | None = None) -> list[tuple[str, str]]:
     wanted = (env or {}).get("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES"))
     uuids = physical_gpus()
     if not uuids or "MIG-" in (wanted or ""):   # MIG slices: keyed by the names CUDA_VISIBLE_DEVICES gives
-        from .. import machine
+        from . import machine
         count = machine.gpu_count()
         names = [str(i) for i in range(count)] if wanted is None else wanted.split(",")[:count]
         return [(n.strip() if n.strip().startswith(("GPU-", "MIG-")) else f"index{n.strip()}", n.strip())

@@ -30,8 +30,8 @@ from collections.abc import Callable, Sequence
 
 import torch.distributed as dist
 
-from . import compat
-from .runtime import gpu_leases, private_net
+from . import compat, gpu_leases
+from .runtime import private_net
 from .runtime.cells import dumps, dumps_with_sources
 from .runtime.run_dirs import rank_file
 from .runtime.stacks import describe_timeout, stacks_of
@@ -89,7 +89,7 @@ def launch(fn: Callable, world_size: int = 2, backend: str = "gloo", args: Seque
     backend: "gloo" (CPU, always there), "nccl" (one CUDA GPU per rank), or
              "auto" (NCCL when there are enough GPUs, else Gloo).
     gpu_wait: NCCL ranks run on GPUs leased for this launch, that no other launch or warm pool on
-             this machine holds (`runtime.gpu_leases`). Too few free: GpusBusy at once, naming who
+             this machine holds (`gpu_leases`). Too few free: GpusBusy at once, naming who
              holds them; or, given seconds here, wait that long for them first. ("auto": Gloo.)
     timeout: seconds until every worker is stopped and `WorkerTimeout` is raised.
     init:    call `init_process_group` before `fn` and `destroy_process_group`

@@ -101,6 +101,6 @@ def summary_line():
 
 def report():
     """Print what this machine has and its GPU leases: the GPUs this process (a kernel: its launches
-    and warm pool) holds, those other learners' runs hold, and those free (`runtime.gpu_leases`)."""
-    from .runtime import gpu_leases
+    and warm pool) holds, those other learners' runs hold, and those free (`gpu_leases`)."""
+    from . import gpu_leases
     print("\n".join([summary_line(), *gpu_leases.report()]))

@@ -32,7 +32,7 @@ import psutil
 
 from .launcher import (WorkerError, check_env, check_gpu_wait, check_seed, check_timeout, check_world_size,
                        error_from_record, resolve_backend, timeout_error)
-from .runtime import gpu_leases
+from . import gpu_leases
 from .runtime.cells import PerRank, dumps, dumps_with_sources, globals_to_send
 from .runtime.protocol import Call, Exec, Pull, Push, Reply, Request, Stop
 from .runtime.serve import serve

@@ -1,4 +1,4 @@
-"""Machine-wide GPU leases (`runtime.gpu_leases`): one GPU server, many learners.
+"""Machine-wide GPU leases (`gpu_leases`): one GPU server, many learners.
 
 On this CPU machine the GPUs are a fake list (DDP_HELPERS_FAKE_GPUS, the module's seam: "these GPU
 UUIDs exist"). The holders are other processes (as another learner's kernel would be), a real
@@ -18,8 +18,8 @@ import pytest
 
 from conftest import REPO, seconds
 from ddp_helpers import launch, machine
-from ddp_helpers.runtime import gpu_leases
-from ddp_helpers.runtime.gpu_leases import GpusBusy
+from ddp_helpers import gpu_leases
+from ddp_helpers.gpu_leases import GpusBusy
 
 A, B, C = "GPU-aaaaaaaa-0000", "GPU-bbbbbbbb-1111", "GPU-cccccccc-2222"
 OTHER_UID = 65534   # nobody
@@ -40,7 +40,7 @@ def shared(monkeypatch):
 
 HOLDER = """
 import sys
-from ddp_helpers.runtime import gpu_leases
+from ddp_helpers import gpu_leases
 lease = gpu_leases.take(int(sys.argv[1]), what="a warm pool")
 print("holding", lease.env["CUDA_VISIBLE_DEVICES"], flush=True)
 sys.stdin.read()   # until the test closes stdin (or kills us)
