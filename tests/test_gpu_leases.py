@@ -273,3 +273,16 @@ def test_gpu_wait_waits_for_a_gpu_to_be_released(shared, monkeypatch):
     holder.p.wait()
     with pytest.raises(ValueError, match="gpu_wait must be a number of seconds"):
         launch(print, 1, backend="nccl", gpu_wait=-1)
+
+
+def test_the_bench_command_line_says_who_holds_the_gpus_in_one_line(shared):
+    holder = Holder(2)
+    try:
+        done = subprocess.run([sys.executable, "-m", "ddp_helpers.bench", "-b", "8", "-e", "8", "--nproc", "1",
+                               "--backend", "nccl", "--device", "cuda"], cwd=REPO, capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": REPO}, timeout=seconds(60))
+        assert done.returncode == 1 and done.stderr.startswith("error: 1 GPU(s) needed but 0 free: 2 of 2 GPUs"), \
+            done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    finally:
+        holder.end()
