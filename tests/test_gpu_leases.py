@@ -286,3 +286,20 @@ def test_the_bench_command_line_says_who_holds_the_gpus_in_one_line(shared):
         assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     finally:
         holder.end()
+
+
+def test_a_warm_pool_is_told_at_once_and_a_pool_that_fails_to_start_lets_go(shared, monkeypatch):
+    from ddp_helpers.pool import Pool
+    from ddp_helpers import WorkerError
+    holder = Holder(1)
+    try:
+        with pytest.raises(GpusBusy, match=f"2 of 2 GPUs are held: GPU 0 by root \\(pid {holder.pid}, a warm pool\\), "
+                                           f"GPU 1 by you \\(pid {os.getpid()}, a test\\)"):
+            with gpu_leases.take(1, what="a test"):
+                Pool(1, backend="nccl")
+        with pytest.raises(WorkerError):   # GPU 1 is free now, but a fake GPU cannot start NCCL: CUDA sees none
+            Pool(1, backend="nccl", start_timeout=seconds(60))
+    finally:
+        holder.end()
+    with gpu_leases.take(2) as lease:   # nothing is left holding GPU 1
+        assert lease.indices == [0, 1]
