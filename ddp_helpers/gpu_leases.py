@@ -276,21 +276,26 @@ def take(n: int, wait: float = 0, what: str = "launch", env: dict | None = None)
 def _try_take(where, gpus, n, what):
     """(Lease, None) with n GPUs, or (None, [(index, holder)] of the held ones)."""
     mine, held = [], []
-    for index, (key, name) in enumerate(gpus):
-        if len(mine) == n:
-            break
-        for attempt in range(RACE_TRIES):
-            others = holders(where, key)
-            if others:
-                held.append((index, others[0]))
+    try:
+        for index, (key, name) in enumerate(gpus):
+            if len(mine) == n:
                 break
-            fd, file = _publish(where, key, what)
-            if not holders(where, key, skip=file):
+            for attempt in range(RACE_TRIES):
+                others = holders(where, key)
+                if others:
+                    held.append((index, others[0]))
+                    break
+                fd, file = _publish(where, key, what)
                 mine.append((index, key, name, fd, file))
-                break
-            _unlink(os.path.join(where, file))   # someone published at the same moment: both back off
-            os.close(fd)
-            time.sleep(random.uniform(0.005, 0.05) * (attempt + 1))
+                if not holders(where, key, skip=file):
+                    break
+                mine.pop()
+                _unlink(os.path.join(where, file))   # someone published at the same moment: both back off
+                os.close(fd)
+                time.sleep(random.uniform(0.005, 0.05) * (attempt + 1))
+    except BaseException:   # an interrupt while waiting for GPUs: let go of those taken so far
+        Lease(where, mine, what).release()
+        raise
     if len(mine) == n:
         return Lease(where, mine, what), None
     Lease(where, mine, what).release()

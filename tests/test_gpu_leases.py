@@ -303,3 +303,40 @@ def test_a_warm_pool_is_told_at_once_and_a_pool_that_fails_to_start_lets_go(shar
         holder.end()
     with gpu_leases.take(2) as lease:   # nothing is left holding GPU 1
         assert lease.indices == [0, 1]
+
+
+RACER = """
+import os, sys, time
+from ddp_helpers import gpu_leases
+open(sys.argv[1] + f".ready{os.getpid()}", "w").close()
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.001)
+try:
+    lease = gpu_leases.take(1, what="a racer")
+except gpu_leases.GpusBusy:
+    print("busy", flush=True)
+else:
+    print("got", lease.env["CUDA_VISIBLE_DEVICES"], flush=True)
+    time.sleep(float(sys.argv[2]))   # holds it while the others try
+"""
+
+
+def test_many_takers_at_once_never_share_a_gpu(shared, tmp_path, monkeypatch):
+    monkeypatch.setenv(gpu_leases.FAKE_VAR, A)   # one GPU, eight takers at the same moment
+    go, racers = str(tmp_path / "go"), 8
+    procs = [subprocess.Popen([sys.executable, "-c", RACER, go, str(seconds(2))], cwd=REPO, text=True,
+                              stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": REPO}) for _ in range(racers)]
+    try:
+        deadline = time.monotonic() + seconds(60)
+        while len([f for f in os.listdir(tmp_path) if ".ready" in f]) < racers and time.monotonic() < deadline:
+            time.sleep(0.05)
+        open(go, "w").close()
+        said = [p.communicate(timeout=seconds(60))[0].split() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    got = [words[1] for words in said if words[0] == "got"]
+    assert got in ([], [A]), said    # never one GPU twice
+    assert len(got) >= 1 and len(got) + sum(w == ["busy"] for w in said) == racers, said
