@@ -30,6 +30,9 @@ folder someone made unusable (not a directory, a link, not sticky and writable b
 over for the next of `<folder>-2` ... `<folder>-8`, the same one for every user. What the folder's
 owner could still do (remove others' lease files) is why an instructor creates it as root (README).
 
+`DDP_HELPERS_GPU_WAIT=SECONDS`: how long to wait for GPUs where a launch does not say (`gpu_wait=`);
+0 by default (told at once). A test suite whose workers share one GPU sets it, so that they take turns.
+
 `DDP_HELPERS_FAKE_GPUS=GPU-a,GPU-b` says which GPU UUIDs this machine has, in place of nvidia-smi:
 for tests and for trying a class's setup on a machine without GPUs.
 """
@@ -49,6 +52,7 @@ import time
 FOLDER_VAR = "DDP_HELPERS_GPU_LEASES"
 DEFAULT_FOLDER = "/tmp/ddp_helpers-gpu-leases"
 FAKE_VAR = "DDP_HELPERS_FAKE_GPUS"
+WAIT_VAR = "DDP_HELPERS_GPU_WAIT"   # seconds launch and the pool wait for GPUs when gpu_wait is not given
 FALLBACKS = 8
 RACE_TRIES = 5            # a lost race (two takers published at once) is tried again this often
 POLL_S = 0.5              # while waiting for a GPU
@@ -108,6 +112,15 @@ def visible_gpus(env: dict | None = None) -> list[tuple[str, str]]:
             break
         chosen.append(match[0])
     return [(u, u) for u in chosen]
+
+
+def default_wait() -> float:
+    """$DDP_HELPERS_GPU_WAIT as seconds (0 when unset): e.g. a test suite whose workers share one GPU."""
+    text = os.environ.get(WAIT_VAR, "").strip() or "0"
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"{WAIT_VAR}={text!r}: give a number of seconds") from None
 
 
 # ------------------------------------------------------------------ the folder

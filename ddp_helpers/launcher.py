@@ -83,7 +83,7 @@ class WorkerTimeout(WorkerError, TimeoutError):
 def launch(fn: Callable, world_size: int = 2, backend: str = "gloo", args: Sequence = (),
            kwargs: dict | None = None, timeout: float = 120, init: bool = True,
            env: dict[str, str] | None = None, quiet: bool = False, seed: int | None = None,
-           gpu_wait: float = 0) -> list:
+           gpu_wait: float | None = None) -> list:
     """Run `fn(*args, **kwargs)` on `world_size` new processes; return a list of results by rank.
 
     backend: "gloo" (CPU, always there), "nccl" (one CUDA GPU per rank), or
@@ -91,6 +91,7 @@ def launch(fn: Callable, world_size: int = 2, backend: str = "gloo", args: Seque
     gpu_wait: NCCL ranks run on GPUs leased for this launch, that no other launch or warm pool on
              this machine holds (`gpu_leases`). Too few free: GpusBusy at once, naming who
              holds them; or, given seconds here, wait that long for them first. ("auto": Gloo.)
+             None: $DDP_HELPERS_GPU_WAIT seconds, else 0 (a test suite on one GPU may set it).
     timeout: seconds until every worker is stopped and `WorkerTimeout` is raised.
     init:    call `init_process_group` before `fn` and `destroy_process_group`
              after it; with False, `fn` does it itself (e.g. to try `tcp://`).
@@ -124,7 +125,7 @@ def launch(fn: Callable, world_size: int = 2, backend: str = "gloo", args: Seque
 def spawn(fn: Callable, args: Sequence = (), nprocs: int = 1, join: bool = True, daemon: bool = False,
           start_method: str = "spawn", *, backend: str = "gloo", timeout: float = 120, init: bool = True,
           env: dict[str, str] | None = None, quiet: bool = False, seed: int | None = None,
-          gpu_wait: float = 0) -> list:
+          gpu_wait: float | None = None) -> list:
     """Run `fn(rank, *args)` on `nprocs` ranks, as `torch.multiprocessing.spawn` does; return
     a list of results by rank (what `launch` returns; mp.spawn itself returns None).
 
@@ -277,7 +278,8 @@ def pickle_job(fn: Callable, args: Sequence, kwargs: dict | None) -> tuple[bytes
     return dumps_with_sources((fn, tuple(args), kwargs or {}))
 
 
-def check_gpu_wait(seconds: float) -> float:
+def check_gpu_wait(seconds: float | None) -> float:
+    seconds = gpu_leases.default_wait() if seconds is None else seconds
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds <= MAX_TIMEOUT_S:
         raise ValueError(f"gpu_wait must be a number of seconds from 0 to {MAX_TIMEOUT_S}, got {seconds!r}")
     return float(seconds)

@@ -49,7 +49,7 @@ class Pool:
     """`world_size` warm ranks on this machine. See the module docstring."""
 
     def __init__(self, world_size: int = 2, backend: str = "gloo", env: dict[str, str] | None = None,
-                 start_timeout: float = 60, seed: int | None = None, gpu_wait: float = 0) -> None:
+                 start_timeout: float = 60, seed: int | None = None, gpu_wait: float | None = None) -> None:
         """seed: the ranks' random state as they start (and start again after a reset): None, fresh
         entropy in each rank; a whole number, rank r seeded with seed + r (see `launch`).
         gpu_wait: as in `launch`; NCCL ranks' GPUs are leased until `stop()`, restarts included."""

@@ -34,6 +34,7 @@ def shared(monkeypatch):
     monkeypatch.setenv(gpu_leases.FOLDER_VAR, where)
     monkeypatch.setenv(gpu_leases.FAKE_VAR, f"{A},{B}")
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv(gpu_leases.WAIT_VAR, raising=False)
     yield where
     shutil.rmtree(top, ignore_errors=True)
 
@@ -259,20 +260,38 @@ def test_report_shows_what_this_process_holds_and_who_holds_the_rest(shared, cap
         holder.end()
 
 
+def end_after(pid, seconds_):
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import os, signal, time
+        time.sleep({seconds_})
+        os.kill({pid}, signal.SIGTERM)""")])
+
+
 def test_gpu_wait_waits_for_a_gpu_to_be_released(shared, monkeypatch):
     monkeypatch.setenv(gpu_leases.FAKE_VAR, A)
     holder = Holder(1)
-    ender = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
-        import os, signal, time
-        time.sleep(1)
-        os.kill({holder.pid}, signal.SIGTERM)""")])
+    ender = end_after(holder.pid, 1)
     start = time.monotonic()
-    with gpu_leases.take(1, wait=seconds(30)) as lease:
-        assert lease.indices == [0] and time.monotonic() - start >= 0.9
+    assert launch(lambda: os.environ["CUDA_VISIBLE_DEVICES"], 1, backend="nccl", init=False, quiet=True,
+                  gpu_wait=seconds(30)) == [A]
+    assert time.monotonic() - start >= 0.9
     ender.wait()
     holder.p.wait()
     with pytest.raises(ValueError, match="gpu_wait must be a number of seconds"):
         launch(print, 1, backend="nccl", gpu_wait=-1)
+
+
+def test_the_default_wait_comes_from_the_environment(shared, monkeypatch):
+    monkeypatch.setenv(gpu_leases.FAKE_VAR, A)
+    holder = Holder(1)
+    ender = end_after(holder.pid, 1)
+    monkeypatch.setenv(gpu_leases.WAIT_VAR, str(seconds(30)))   # as a test suite whose workers share a GPU
+    assert launch(lambda: os.environ["CUDA_VISIBLE_DEVICES"], 1, backend="nccl", init=False, quiet=True) == [A]
+    ender.wait()
+    holder.p.wait()
+    monkeypatch.setenv(gpu_leases.WAIT_VAR, "a minute")
+    with pytest.raises(ValueError, match="DDP_HELPERS_GPU_WAIT='a minute': give a number of seconds"):
+        launch(print, 1, backend="nccl")
 
 
 def test_the_bench_command_line_says_who_holds_the_gpus_in_one_line(shared):
