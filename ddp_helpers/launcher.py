@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 
 import torch.distributed as dist
 
-from . import compat, machine
+from . import compat, gpu_leases
 from .runtime import private_net
 from .runtime.cells import dumps, dumps_with_sources
 from .runtime.run_dirs import rank_file
@@ -82,11 +82,16 @@ class WorkerTimeout(WorkerError, TimeoutError):
 
 def launch(fn: Callable, world_size: int = 2, backend: str = "gloo", args: Sequence = (),
            kwargs: dict | None = None, timeout: float = 120, init: bool = True,
-           env: dict[str, str] | None = None, quiet: bool = False, seed: int | None = None) -> list:
+           env: dict[str, str] | None = None, quiet: bool = False, seed: int | None = None,
+           gpu_wait: float | None = None) -> list:
     """Run `fn(*args, **kwargs)` on `world_size` new processes; return a list of results by rank.
 
     backend: "gloo" (CPU, always there), "nccl" (one CUDA GPU per rank), or
              "auto" (NCCL when there are enough GPUs, else Gloo).
+    gpu_wait: NCCL ranks run on GPUs leased for this launch, that no other launch or warm pool on
+             this machine holds (`gpu_leases`). Too few free: GpusBusy at once, naming who
+             holds them; or, given seconds here, wait that long for them first. ("auto": Gloo.)
+             None: $DDP_HELPERS_GPU_WAIT seconds, else 0 (a test suite on one GPU may set it).
     timeout: seconds until every worker is stopped and `WorkerTimeout` is raised.
     init:    call `init_process_group` before `fn` and `destroy_process_group`
              after it; with False, `fn` does it itself (e.g. to try `tcp://`).
@@ -99,13 +104,15 @@ def launch(fn: Callable, world_size: int = 2, backend: str = "gloo", args: Seque
              from each other, and a re-run draws the same numbers again.
     """
     world_size = check_world_size(world_size)
-    backend = resolve_backend(backend, world_size)
+    asked, backend = backend, resolve_backend(backend, world_size, env)
     timeout = check_timeout(timeout)
     seed = check_seed(seed)
+    gpu_wait = check_gpu_wait(gpu_wait)
     payload, cell_sources = pickle_job(fn, args, kwargs)
     extra_env = check_env(env)
+    backend, lease = gpu_leases.for_ranks(backend, asked, world_size, gpu_wait, extra_env, "a launch")
     try:
-        with Supervisor(world_size, quiet, extra_env) as ranks:
+        with lease, Supervisor(world_size, quiet, {**extra_env, **lease.env}) as ranks:
             job = WorkerJob(payload=payload, world_size=world_size, backend=backend, init=init,
                             pg_timeout_s=timeout, run_dir=ranks.run_dir, env=ranks.env,
                             launcher_pid=os.getpid(), cell_sources=cell_sources, seed=seed)
@@ -117,7 +124,8 @@ def launch(fn: Callable, world_size: int = 2, backend: str = "gloo", args: Seque
 
 def spawn(fn: Callable, args: Sequence = (), nprocs: int = 1, join: bool = True, daemon: bool = False,
           start_method: str = "spawn", *, backend: str = "gloo", timeout: float = 120, init: bool = True,
-          env: dict[str, str] | None = None, quiet: bool = False, seed: int | None = None) -> list:
+          env: dict[str, str] | None = None, quiet: bool = False, seed: int | None = None,
+          gpu_wait: float | None = None) -> list:
     """Run `fn(rank, *args)` on `nprocs` ranks, as `torch.multiprocessing.spawn` does; return
     a list of results by rank (what `launch` returns; mp.spawn itself returns None).
 
@@ -138,7 +146,7 @@ def spawn(fn: Callable, args: Sequence = (), nprocs: int = 1, join: bool = True,
     init:    as in `launch`: True forms the process group before `fn` (unlike mp.spawn); with
              False `fn` calls `init_process_group` itself (RANK, WORLD_SIZE, MASTER_ADDR and
              MASTER_PORT are set for it, so `init_process_group("gloo")` finds them).
-    backend: as in `launch`; so are `timeout`, `env`, `quiet` and `seed` (None: fresh random
+    backend: as in `launch`; so are `timeout`, `env`, `quiet`, `gpu_wait` and `seed` (None: fresh random
              state in each rank; an int: rank r seeded with seed + r).
     """
     if join is not True:
@@ -151,7 +159,7 @@ def spawn(fn: Callable, args: Sequence = (), nprocs: int = 1, join: bool = True,
     check_world_size(nprocs, "nprocs")
     try:
         return launch(_call_with_rank, world_size=nprocs, backend=backend, args=(fn, *args),
-                      timeout=timeout, init=init, env=env, quiet=quiet, seed=seed)
+                      timeout=timeout, init=init, env=env, quiet=quiet, seed=seed, gpu_wait=gpu_wait)
     except WorkerError as exc:
         hint = _hint_for(fn, nprocs, spawned=True)(exc.exc_type, exc.exc_message)
         if hint:
@@ -227,11 +235,14 @@ def check_seed(seed: int | None) -> int | None:
     return seed
 
 
-def resolve_backend(backend: str, world_size: int) -> str:
-    """Check the backend name and, for "auto", pick NCCL only if every rank gets a GPU."""
+def resolve_backend(backend: str, world_size: int, env: dict | None = None) -> str:
+    """Check the backend name and, for "auto", pick NCCL only if every rank gets a GPU (of those
+    CUDA_VISIBLE_DEVICES leaves visible, in env= or this process's environment)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}: choose one of {', '.join(map(repr, BACKENDS))}")
-    gpus = machine.gpu_count()
+    if backend == "gloo":
+        return backend
+    gpus = len(gpu_leases.visible_gpus(env if isinstance(env, dict) else None))
     if backend == "auto":
         return "nccl" if compat.one_gpu_per_rank(world_size, gpus) else "gloo"
     if backend == "nccl":
@@ -265,6 +276,13 @@ def pickle_job(fn: Callable, args: Sequence, kwargs: dict | None) -> tuple[bytes
                 "generators and live process groups cannot be. Create them inside the function."
             ) from None
     return dumps_with_sources((fn, tuple(args), kwargs or {}))
+
+
+def check_gpu_wait(seconds: float | None) -> float:
+    seconds = gpu_leases.default_wait() if seconds is None else seconds
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds <= MAX_TIMEOUT_S:
+        raise ValueError(f"gpu_wait must be a number of seconds from 0 to {MAX_TIMEOUT_S}, got {seconds!r}")
+    return float(seconds)
 
 
 def check_timeout(timeout: float) -> float:

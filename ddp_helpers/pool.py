@@ -30,8 +30,9 @@ from collections.abc import Callable, Iterable
 import cloudpickle
 import psutil
 
-from .launcher import (WorkerError, check_env, check_seed, check_timeout, check_world_size,
+from .launcher import (WorkerError, check_env, check_gpu_wait, check_seed, check_timeout, check_world_size,
                        error_from_record, resolve_backend, timeout_error)
+from . import gpu_leases
 from .runtime.cells import PerRank, dumps, dumps_with_sources, globals_to_send
 from .runtime.protocol import Call, Exec, Pull, Push, Reply, Request, Stop
 from .runtime.serve import serve
@@ -48,11 +49,12 @@ class Pool:
     """`world_size` warm ranks on this machine. See the module docstring."""
 
     def __init__(self, world_size: int = 2, backend: str = "gloo", env: dict[str, str] | None = None,
-                 start_timeout: float = 60, seed: int | None = None) -> None:
+                 start_timeout: float = 60, seed: int | None = None, gpu_wait: float | None = None) -> None:
         """seed: the ranks' random state as they start (and start again after a reset): None, fresh
-        entropy in each rank; a whole number, rank r seeded with seed + r (see `launch`)."""
+        entropy in each rank; a whole number, rank r seeded with seed + r (see `launch`).
+        gpu_wait: as in `launch`; NCCL ranks' GPUs are leased until `stop()`, restarts included."""
         self.world_size = check_world_size(world_size)
-        self.backend = resolve_backend(backend, self.world_size)
+        self.backend = resolve_backend(backend, self.world_size, env)
         self.env = check_env(env)
         self.start_timeout = check_timeout(start_timeout)
         self.seed = check_seed(seed)
@@ -60,7 +62,14 @@ class Pool:
         self._conns = []
         self._stopped = False
         self.run_dir = self.port = None
-        self._start()
+        self.backend, self.lease = gpu_leases.for_ranks(self.backend, backend, self.world_size,
+                                                        check_gpu_wait(gpu_wait), self.env, "a warm pool")
+        self.env = {**self.env, **self.lease.env}
+        try:
+            self._start()
+        except BaseException:
+            self.lease.release()
+            raise
         atexit.register(self.stop)
 
     # ------------------------------------------------------------ public API
@@ -140,6 +149,7 @@ class Pool:
                     pass
             self._ranks.wait_for_exits(time.monotonic() + 2)   # they leave the group themselves
             self._discard()
+        self.lease.release()
 
     def __enter__(self) -> Pool:
         return self

@@ -38,6 +38,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIME_SCALE = float(os.environ.get("DDP_HELPERS_TEST_TIME_SCALE", "3"))
 
 MINI = os.environ.get(data.ENV_VAR)  # the offline CIFAR-10 subset, if .ci/run (or you) set it
+# NCCL launches lease their GPUs (ddp_helpers.gpu_leases): the workers of one suite on one GPU, and the
+# notebooks' kernels they start, take turns instead of being refused.
+os.environ.setdefault("DDP_HELPERS_GPU_WAIT", "600")
 needs_mini = pytest.mark.skipif(
     not MINI,
     reason=f"{data.ENV_VAR} is not set: .ci/run extracts the offline CIFAR-10 subset "

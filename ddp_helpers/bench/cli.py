@@ -15,7 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .. import machine, reference
+from .. import gpu_leases, machine, reference
 from ..compat import one_gpu_per_rank
 from .formulas import COLLECTIVES, DTYPES, check_setup, plan, resolve_dtype, size_range
 from .sweeps import check_memory, measure, sweep
@@ -45,7 +45,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ranks = (int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1))) if "RANK" in os.environ
              else args.nproc)
     args.local_ranks = ranks
-    gpus = machine.gpu_count()
+    gpus = machine.gpu_count() if "RANK" in os.environ else len(gpu_leases.visible_gpus())  # as launch counts
     one_gpu_each = one_gpu_per_rank(ranks, gpus)
     if args.backend == "nccl" and not one_gpu_each:
         p.error(f"--backend nccl needs one GPU per rank: {ranks} ranks here, {gpus} GPU(s)")

@@ -2,7 +2,9 @@
 
 - **Rich output.** A rank has no Jupyter kernel of its own, so `display(obj)` would print
   `<IPython.core.display.HTML object>` and a figure `Figure(640x480)`. Here a rank formats what it
-  shows with IPython's own `DisplayFormatter` (the mime bundle a kernel would send: PNG, HTML, ...)
+  shows with IPython's own `DisplayFormatter` (the mime bundle a kernel would send: PNG, HTML, ...;
+  without IPython, as on a GPU image or in a script, the object's own `_repr_*_` methods and a
+  figure's PNG)
   and writes it, as one marked line, on its stdout pipe; the kernel's `output.OutputPump` sees
   the mark and shows the bundle in the cell, after a `[rank N]` line. Matplotlib draws through
   `rank_backend` (set by MPLBACKEND, as Jupyter's inline backend is): `plt.show()` shows the open
@@ -22,7 +24,10 @@ import json
 import os
 import sys
 
-import IPython.core.display_functions  # noqa: F401 (in the fork server, PRELOAD imports worker: free here)
+try:   # in the fork server, PRELOAD imports worker: free here. Without IPython, ranks still show text.
+    import IPython.core.display_functions  # noqa: F401
+except ImportError:
+    pass
 
 from . import PACKAGE_DIR
 
@@ -42,8 +47,11 @@ def setup():
         if "matplotlib" in sys.modules:
             sys.modules["matplotlib"].use(BACKEND)
     builtins.input = _no_input
-    import IPython.display
-    IPython.core.display_functions.display = IPython.display.display = display
+    try:
+        import IPython.display
+        IPython.core.display_functions.display = IPython.display.display = display
+    except ImportError:   # a script or a GPU image without Jupyter: the builtin below is enough
+        pass
     # A kernel has `display` among its builtins (IPython puts it there): a function written in a
     # notebook cell calls it without importing it, and cloudpickle does not send builtins along.
     builtins.display = display
@@ -63,13 +71,42 @@ _formatter = None
 def _display_formatter():
     global _formatter
     if _formatter is None:
-        from IPython.core.formatters import DisplayFormatter
-        from IPython.core.pylabtools import print_figure
+        try:
+            from IPython.core.formatters import DisplayFormatter
+            from IPython.core.pylabtools import print_figure
+        except ImportError:
+            _formatter = PlainFormatter()
+            return _formatter
         _formatter = DisplayFormatter()
         # What the inline backend registers in a kernel: a figure's PNG.
         _formatter.formatters["image/png"].for_type_by_name(
             "matplotlib.figure", "Figure", lambda fig: print_figure(fig, "png", bbox_inches="tight"))
     return _formatter
+
+
+class PlainFormatter:
+    """What a rank shows without IPython: `repr`, the `_repr_html_`-style methods the object has
+    (what IPython would ask it for), and a matplotlib figure's PNG."""
+    METHODS = {"text/html": "_repr_html_", "text/markdown": "_repr_markdown_", "image/svg+xml": "_repr_svg_",
+               "image/png": "_repr_png_", "image/jpeg": "_repr_jpeg_", "text/latex": "_repr_latex_",
+               "application/json": "_repr_json_"}
+
+    def format(self, obj):
+        data = {"text/plain": repr(obj)}
+        for mime, method in self.METHODS.items():
+            try:
+                value = getattr(obj, method)() if callable(getattr(obj, method, None)) else None
+            except Exception:
+                value = None
+            if value is not None:
+                data[mime] = value[0] if isinstance(value, tuple) else value
+        figure = sys.modules.get("matplotlib.figure")
+        if figure is not None and isinstance(obj, figure.Figure):
+            import io
+            png = io.BytesIO()
+            obj.savefig(png, format="png", bbox_inches="tight")
+            data["image/png"] = png.getvalue()
+        return data, {}
 
 
 def mime_bundle(obj):
