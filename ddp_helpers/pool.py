@@ -33,7 +33,7 @@ import psutil
 from .launcher import (WorkerError, check_env, check_seed, check_timeout, check_world_size,
                        error_from_record, resolve_backend, timeout_error)
 from .runtime.cells import PerRank, dumps, dumps_with_sources, globals_to_send
-from .runtime.protocol import Call, Exec, Pull, Push, Reply, Request, Stop
+from .runtime.protocol import Call, Debug, Exec, Pull, Push, Reply, Request, Stop
 from .runtime.serve import serve
 from .runtime.stacks import stacks_of
 from .runtime.supervisor import Supervisor, describe_exit, interrupted
@@ -60,6 +60,8 @@ class Pool:
         self._conns = []
         self._stopped = False
         self.run_dir = self.port = None
+        self.failed_ranks = []       # the ranks where the last cell (or run) raised: `debug`
+        self._errors, self._failed_gone = [], False
         self._start()
         atexit.register(self.stop)
 
@@ -84,7 +86,7 @@ class Pool:
         if only is not None and self._ranks is not None and not self._sees_collectives:
             _notice(f"this torch does not show the ranks their collectives: one in a cell on ranks {ranks} "
                     f"would wait until the timeout ({timeout:g} s).")
-        values = self._request(Exec(source, sent, filename, only, seed=seed), timeout, ranks)
+        values = self._cell(Exec(source, sent, filename, only, seed=seed), timeout, ranks)
         return PerRank.of(values, ranks)
 
     def check_ranks(self, ranks: Iterable[int] | None) -> list[int]:
@@ -109,7 +111,23 @@ class Pool:
         """Call `fn(*args, **kwargs)` on every rank; return the results by rank. `timeout` and `seed`
         are the pool's own (as in `run_cell`), not passed to `fn`."""
         seed = check_seed(seed)
-        return self._request(Call(fn, args, kwargs, seed=seed), timeout)
+        return self._cell(Call(fn, args, kwargs, seed=seed), timeout)
+
+    def debug(self, rank: int | None = None, timeout: float = 120) -> None:
+        """pdb in `rank`, in the traceback of the last cell (or `run`) where it raised, at the frame
+        of the learner's code that raised (None: the lowest rank that raised). Its prompts are
+        answered in the kernel (`runtime.debug_session`); the rank stays up, with its variables.
+        A ValueError, before anything is sent, when that rank did not raise in the last cell."""
+        if not self.failed_ranks:
+            why = ("the ranks were stopped after it raised (their variables are gone)" if self._failed_gone
+                   else "no rank raised in the last cell")
+            raise ValueError(f"nothing to debug: {why}")
+        if rank is None:
+            rank = self.failed_ranks[0]
+        if rank not in self.failed_ranks:
+            self.check_ranks([rank])
+            raise ValueError(f"rank {rank} did not raise in the last cell (rank(s) {self.failed_ranks} did)")
+        self._request(Debug(), timeout, ranks=[rank])
 
     def push(self, **values) -> None:
         """Set variables in every rank's namespace. A value that cannot travel (a lock, an open
@@ -153,6 +171,14 @@ class Pool:
         return f"Pool(world_size={self.world_size}, backend={self.backend!r}, {state})"
 
     # ------------------------------------------------------------ internals
+    def _cell(self, request, timeout, ranks=None):
+        """A cell or a call: which ranks raised in it is kept for `debug`."""
+        self.failed_ranks, self._errors, self._failed_gone = [], [], False
+        try:
+            return self._request(request, timeout, ranks)
+        finally:
+            self.failed_ranks = self._errors if self._ranks is not None else []
+            self._failed_gone = bool(self._errors) and self._ranks is None
     def _start(self):
         n = self.world_size
         ranks = Supervisor(n, quiet=False, env=self.env)
@@ -250,6 +276,7 @@ class Pool:
         if any(reply.has_children for reply in replies.values()):
             supervisor.note_started_processes()   # ended with the pool, even if their rank dies
         errors = sorted(r for r, reply in replies.items() if not reply.ok)
+        self._errors = errors
         if not all(reply.group_alive for reply in replies.values()):
             self._discard()
             _notice(f"the cell destroyed the process group, so the ranks were stopped; {RESET}.")
@@ -279,6 +306,7 @@ class Pool:
         """Stop every worker now and free the port; the next request starts new ones."""
         ranks, conns = self._ranks, self._conns
         self._ranks, self._conns = None, []
+        self._failed_gone, self.failed_ranks = self._failed_gone or bool(self.failed_ranks), []
         for conn in conns:
             conn.close()
         if ranks is not None:

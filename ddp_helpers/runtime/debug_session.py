@@ -1,0 +1,175 @@
+"""The kernel's side of a rank's debugger (`rank_pdb`): print its output, answer its prompts.
+
+`DebugServer` listens on a Unix socket in the run folder (mode 0600, in the user's private run
+root); the `Supervisor` passes its path to the ranks (`rank_pdb.SOCKET_ENV`) and serves it in the
+loop where it waits for them. A rank at a pdb prompt sends what pdb printed; it is printed in the
+cell as `[rank N] ...` lines (after what the rank printed before), and the prompt is answered:
+
+- with the commands given up front (`answering(commands)`: `%%ddp --pdb`, `%ddp debug -c`),
+  each shown after `[rank N] (Pdb) ` as a person's would be; every stop of pdb starts the
+  commands again, and when they run out the rank continues (`c`; `q` after a post-mortem);
+- else with `input("[rank N] (Pdb) ")`: in a Jupyter kernel that goes through the stdin channel,
+  as `%debug` does. A kernel without stdin (nbclient, nbval: StdinNotImplementedError), or a script
+  whose stdin is not a terminal, has no one to answer: the rank is told so, says it in one line and
+  continues.
+
+While a person is being asked, the run's timeout clock stands still (`take_paused`): the time
+spent at the prompt is added to the deadline. An Interrupt at the prompt raises KeyboardInterrupt
+out of the wait, which ends the run as an Interrupt always does (the ranks are stopped).
+"""
+import contextlib
+import multiprocessing.connection
+import os
+import re
+import socket
+import sys
+import time
+
+_answers = []   # a stack of command lists (answering)
+# a notebook cell's code file in ipykernel (/tmp/ipykernel_<pid>/<hash>.py): the pid changes each run
+_KERNEL_CELL = re.compile(r"\S*ipykernel_\d+/\d+\.py")
+
+
+@contextlib.contextmanager
+def answering(commands):
+    """Answer the ranks' pdb prompts with `commands` (a list of lines; None: ask the person)."""
+    _answers.append(None if commands is None else list(commands))
+    try:
+        yield
+    finally:
+        _answers.pop()
+
+
+class DebugServer:
+    """The socket a run's ranks reach the kernel's pdb prompt through. See the module docstring."""
+
+    def __init__(self, run_dir):
+        self.path = os.path.join(run_dir, "pdb.sock")
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.listener.bind(self.path)
+            os.chmod(self.path, 0o600)
+            self.listener.listen(64)
+            self.listener.setblocking(False)
+        except BaseException:
+            self.close()
+            raise
+        self.conns = []
+        self.paused_s = 0.0
+        self.current = None   # the connection of the rank whose pdb session is going on
+        self._queues = {}   # rank -> (pdb stop number, commands left)
+
+    def fds(self):
+        return [self.listener, *self.conns]
+
+    def serve(self, ready, before_printing):
+        """Take up what is ready among `fds()`: new ranks, their output and prompts.
+        `before_printing()` prints what the ranks wrote before (their pipes)."""
+        if self.listener in ready:
+            while True:
+                try:
+                    sock, _ = self.listener.accept()
+                except (BlockingIOError, InterruptedError):
+                    break
+                sock.setblocking(True)
+                self.conns.append(multiprocessing.connection.Connection(sock.detach()))
+        # one rank's session at a time: another rank's prompt waits in its socket until this one ends
+        for conn in [c for c in self.conns if c in ready and self.current in (None, c)]:
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                self._drop(conn)
+                continue
+            before_printing()
+            self._take(conn, *message)
+
+    def _take(self, conn, kind, rank, text, stop, mode):
+        if kind == "ask" and (_answers[-1] if _answers else None) is None and not _someone_to_ask():
+            self._reply(conn, ("ack", None), ("nobody", None))   # the rank says so, in one line
+            return
+        _print(rank, _KERNEL_CELL.sub("<notebook cell>", text))
+        self.current = conn if kind == "ask" else None
+        if kind == "ask":
+            self._reply(conn, ("ack", None))
+            line = self._answer(rank, stop, mode)
+            self._reply(conn, ("line", line) if line is not None else ("nobody", None))
+
+    def _reply(self, conn, *messages):
+        try:
+            for message in messages:
+                conn.send(message)
+        except OSError:   # the rank is gone
+            self._drop(conn)
+
+    def _answer(self, rank, stop, mode):
+        commands = _answers[-1] if _answers else None
+        prompt = f"[rank {rank}] (Pdb) "
+        if commands is not None:
+            if self._queues.get(rank, (None,))[0] != stop:
+                self._queues[rank] = (stop, list(commands))
+            left = self._queues[rank][1]
+            line = left.pop(0) if left else ("c" if mode == "breakpoint" else "q")
+            print(prompt + line, flush=True)
+            return line
+        started = time.monotonic()
+        try:
+            return _ask_person(prompt)
+        finally:
+            self.paused_s += time.monotonic() - started
+
+    def take_paused(self):
+        """Seconds spent waiting for a person since the last call (the run's clock stood still)."""
+        paused, self.paused_s = self.paused_s, 0.0
+        return paused
+
+    def _drop(self, conn):
+        if self.current is conn:
+            self.current = None
+        if conn in self.conns:
+            self.conns.remove(conn)
+            conn.close()
+
+    def close(self):
+        for conn in self.conns:
+            conn.close()
+        self.conns = []
+        self.listener.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+
+def _print(rank, text):
+    if not text:
+        return
+    sys.stderr.flush()
+    lines = text[:-1] if text.endswith("\n") else text
+    print("\n".join(f"[rank {rank}] {line}" for line in lines.split("\n")), flush=True)
+
+
+def _someone_to_ask():
+    """Whether input() can reach a person: a Jupyter kernel whose cell allows stdin, or a terminal."""
+    shell = _ipython()
+    kernel = getattr(shell, "kernel", None)
+    if kernel is not None:
+        return getattr(kernel, "_allow_stdin", True)
+    return sys.stdin is not None and sys.stdin.isatty()
+
+
+def _ask_person(prompt):
+    """The person's answer, or None when there is no one to ask here."""
+    if not _someone_to_ask():
+        return None
+    try:
+        return input(prompt)
+    except EOFError:
+        return None
+    except Exception as exc:   # IPython's StdinNotImplementedError: a kernel without stdin
+        if type(exc).__name__ == "StdinNotImplementedError":
+            return None
+        raise
+
+
+def _ipython():
+    if "IPython" not in sys.modules:
+        return None
+    return sys.modules["IPython"].get_ipython()
