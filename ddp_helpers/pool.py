@@ -20,9 +20,11 @@ that dies, even while idle, is reported the same way.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing
 import os
 import pickle
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -62,6 +64,8 @@ class Pool:
         self.run_dir = self.port = None
         self.failed_ranks = []       # the ranks where the last cell (or run) raised: `debug`
         self._errors, self._failed_gone = [], False
+        self._broken = False         # some ranks were stopped after an error; the others stay for `debug`
+        self._stuck = []             # those stopped
         self._start()
         atexit.register(self.stop)
 
@@ -211,7 +215,10 @@ class Pool:
             raise interrupted("nothing was sent to the ranks; they keep their variables.") from None
         except Exception as exc:
             raise _cannot_send(request, exc) from None
-        self._replace_dead_ranks()
+        if self._broken and not isinstance(request, Debug):
+            self._discard()   # the ranks kept for `debug` after an error: fresh ones now
+        if not self._broken:
+            self._replace_dead_ranks()
         if self._ranks is None:
             self._start()
             _notice(f"started {self.world_size} new ranks ({self.backend}); their variables are empty.")
@@ -257,7 +264,8 @@ class Pool:
         supervisor = self._ranks
         try:
             outcome, detail = supervisor.wait_for_replies(time.monotonic() + timeout, on_reply=take,
-                                                          replies={r: self._conns[r] for r in ranks})
+                                                          replies={r: self._conns[r] for r in ranks},
+                                                          stopped=frozenset(self._stuck))
         except KeyboardInterrupt:
             self._discard()
             raise interrupted(f"the ranks were stopped (a collective may have been cut half-way); {RESET}.") from None
@@ -295,17 +303,27 @@ class Pool:
                             after=f"The ranks were stopped; {RESET}.")
 
     def _give_up_stuck(self, replies, stuck):
-        first = min(r for r, reply in replies.items() if not reply.ok)
-        self._discard()
+        """Ranks still running after another raised, waiting for it in a collective: they are
+        stopped now; the ranks that raised stay, for `debug`, until the next request (not `debug`),
+        which starts fresh ranks."""
+        self._errors = sorted(r for r, reply in replies.items() if not reply.ok)
+        first = self._errors[0]
+        for r in stuck:
+            with contextlib.suppress(OSError):
+                os.kill(self._ranks.processes[r].pid, signal.SIGKILL)
+        for r in stuck:
+            self._ranks.processes[r].join(5)
+        self._broken, self._stuck = True, stuck
         raise error_from_record(
             first, replies[first].error, self.run_dir,
             note=f"rank(s) {stuck} were still running {STUCK_AFTER_ERROR_S} s later, probably waiting for "
-                 f"rank {first} in a collective, so the ranks were stopped; {RESET}")
+                 f"rank {first} in a collective, so they were stopped; rank {first} stays for `%ddp debug` "
+                 f"until the next cell, which starts fresh ranks (their variables are reset)")
 
     def _discard(self):
         """Stop every worker now and free the port; the next request starts new ones."""
         ranks, conns = self._ranks, self._conns
-        self._ranks, self._conns = None, []
+        self._ranks, self._conns, self._broken, self._stuck = None, [], False, []
         self._failed_gone, self.failed_ranks = self._failed_gone or bool(self.failed_ranks), []
         for conn in conns:
             conn.close()

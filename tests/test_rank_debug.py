@@ -155,6 +155,10 @@ def test_commands_given_up_front_answer_without_stdin(tmp_path):
              '%ddp debug 1 -c "p batch.shape" -c "q"',
              '%%ddp --pdb "p y;; c"\ny = rank * 10\nif rank == 1:\n    breakpoint()\ny',
              "%%ddp\nif rank == 1:\n    breakpoint()\nrank",
+             # rank 0 waits for rank 1 in a collective: it is stopped, rank 1 stays for %ddp debug
+             "%%ddp\nx = rank + 5\nif rank == 1:\n    raise ValueError('only rank 1')\ndist.barrier()",
+             '%ddp debug -c "p x"',
+             "%%ddp\nrank",
              "%ddp debug",
              "%ddp stop"]
     out = run_notebook(cells, timeout=seconds(60))
@@ -164,7 +168,12 @@ def test_commands_given_up_front_answer_without_stdin(tmp_path):
                                "[rank 1] (Pdb) p y;; c\n[rank 1] 10\n[rank 0] 0\n[rank 1] 10"), text_of(out[3])
     assert text_of(out[4]) == ("[rank 1] breakpoint() at <ddp-cell-3>:2: no one to answer here; continuing\n"
                                "[rank 0] 0\n[rank 1] 1"), text_of(out[4])
-    assert "nothing to debug: no rank raised in the last cell" in text_of(out[5])
+    assert "so they were stopped; rank 1 stays for `%ddp debug` until the next cell" in text_of(out[5])
+    assert text_of(out[6]) == ("[rank 1] > <ddp-cell-4>(3)<module>()\n[rank 1] -> raise ValueError('only rank 1')\n"
+                               "[rank 1] (Pdb) p x\n[rank 1] 6\n[rank 1] (Pdb) q\n"), text_of(out[6])
+    assert text_of(out[7]) == ("ddp pool: started 2 new ranks (gloo); their variables are empty.\n"
+                               "[rank 0] 0\n[rank 1] 1"), text_of(out[7])
+    assert "nothing to debug: no rank raised in the last cell" in text_of(out[8])
 
 
 SCRIPT = '''

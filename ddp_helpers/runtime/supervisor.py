@@ -106,11 +106,12 @@ class Supervisor:
 
         return self._pump(deadline, failed, unfinished, check=check)
 
-    def wait_for_replies(self, deadline: float, replies: dict, on_reply: Callable | None = None
-                         ) -> tuple[str, list[int] | None]:
+    def wait_for_replies(self, deadline: float, replies: dict, on_reply: Callable | None = None,
+                         stopped: frozenset = frozenset()) -> tuple[str, list[int] | None]:
         """Print the ranks' output until each rank in `replies` (rank -> the connection on which it
         answers once) has answered, some rank exited (ranks that stay up: any exit is a failure),
-        or `deadline` has passed. `on_reply(rank, message)` sees each answer and may return an
+        or `deadline` has passed (`stopped`: ranks stopped on purpose, whose exit is none). `on_reply(rank,
+        message)` sees each answer and may return an
         earlier deadline (one rank raised: the others get a little longer).
         Returns what `wait_for_exits` returns; "timeout" names the ranks that had not answered.
         """
@@ -133,7 +134,7 @@ class Supervisor:
                     earliest = earlier if earliest is None else min(earliest, earlier)
             return earliest
 
-        return self._pump(deadline, lambda exited: sorted(exited), lambda exited: sorted(pending),
+        return self._pump(deadline, lambda exited: sorted(set(exited) - stopped), lambda exited: sorted(pending),
                           waiting=lambda: [conn for r, conn in pending.items() if r not in closed], take=take)
 
     def _pump(self, deadline, failed, unfinished, check=None, waiting=None, take=None):
