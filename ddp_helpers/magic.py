@@ -58,6 +58,18 @@ without %%ddp (after `%load_ext ddp_helpers` mp.spawn starts the ranks from the 
 A cell that runs past `-t` (120 s by default) is stopped; the error says whether the ranks were
 waiting in a collective (a rank that never calls it) or still in their own code (raise `-t`).
 
+pdb in a rank, its prompt `[rank N] (Pdb) ` in the cell (answered in the input box, as `%debug`):
+
+    %ddp debug                  # after a cell raised on a warm pool: the lowest rank that raised
+    %ddp debug 1 -c "p x" -c q  # rank 1, with the commands given up front (no one to answer: nbval)
+
+    %%ddp --pdb "p x.shape;; c" # breakpoint() and dist.breakpoint(r) in the cell: these commands answer
+    x = torch.ones(rank + 1)
+    breakpoint()
+
+At a breakpoint `q` lets the rank go on, as `c` does; time at the prompt does not count against `-t`.
+See `runtime.rank_pdb`.
+
 A rank has no stdin: `input()` raises `runtime.rank_io.NoStdin` (an EOFError) at once. Read the value in
 the notebook first (the cell takes the notebook variables it uses), or `%ddp push` it.
 
@@ -168,8 +180,9 @@ class DDPMagics(Magics):
     @argument("command", nargs="*",
               help="%%ddp only: start, stop, status, push NAME [NAME ...], pull NAME or debug [RANK]")
     def ddp(self, line: str, cell: str | None = None) -> PerRank | None:
-        """%%ddp [-n N] [-b BACKEND] [-t SECONDS] [-o NAME] [-r RANKS] [--tabs] [--seed N]: run this cell
-        on every rank. %ddp start [--seed N]|stop|status|push NAMES|pull NAME: manage a warm pool of ranks."""
+        """%%ddp [-n N] [-b BACKEND] [-t SECONDS] [-o NAME] [-r RANKS] [--tabs] [--seed N] [--pdb CMDS]: run
+        this cell on every rank. %ddp start [--seed N]|stop|status|push NAMES|pull NAME: manage a warm pool
+        of ranks; %ddp debug [RANK] [-c CMD ...]: pdb where the last cell raised."""
         opts = _checked(parse_argstring(self.ddp, line))
         if cell is None:
             return self._line(opts)

@@ -20,14 +20,13 @@ out of the wait, which ends the run as an Interrupt always does (the ranks are s
 import contextlib
 import multiprocessing.connection
 import os
-import re
 import socket
 import sys
 import time
 
+from .rank_pdb import KERNEL_CELL
+
 _answers = []   # a stack of command lists (answering)
-# a notebook cell's code file in ipykernel (/tmp/ipykernel_<pid>/<hash>.py): the pid changes each run
-_KERNEL_CELL = re.compile(r"\S*ipykernel_\d+/\d+\.py")
 
 
 @contextlib.contextmanager
@@ -87,7 +86,7 @@ class DebugServer:
         if kind == "ask" and (_answers[-1] if _answers else None) is None and not _someone_to_ask():
             self._reply(conn, ("ack", None), ("nobody", None))   # the rank says so, in one line
             return
-        _print(rank, _KERNEL_CELL.sub("<notebook cell>", text))
+        _print(rank, KERNEL_CELL.sub("<notebook cell>", text))
         self.current = conn if kind == "ask" else None
         if kind == "ask":
             self._reply(conn, ("ack", None))

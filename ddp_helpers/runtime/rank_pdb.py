@@ -20,6 +20,7 @@ learner's line (`input()`, the kernel's stdin channel), or with commands given u
 import itertools
 import os
 import pdb
+import re
 import sys
 import sysconfig
 import threading
@@ -32,6 +33,8 @@ SOCKET_ENV = "DDP_HELPERS_PDB_SOCKET"
 ACK_S = 30           # how long a rank waits for the kernel to take up its prompt
 _LIBRARY = tuple({PACKAGE_DIR, sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"],
                   sysconfig.get_paths()["platlib"]})
+# a notebook cell's code file in ipykernel (/tmp/ipykernel_<pid>/<hash>.py): its pid changes each run
+KERNEL_CELL = re.compile(r"\S*ipykernel_\d+/\d+\.py")
 _channel = {"conn": None, "pid": None}
 _session = threading.Lock()   # one pdb session at a time in a rank (threads may break too)
 _skipped = {}                 # dist.breakpoint(skip=...): calls seen per calling line
@@ -122,8 +125,12 @@ class RankPdb(pdb.Pdb):
         stop = super().setup(f, tb)
         # the frames of the launcher's plumbing (forkserver, serve, exec_cell) are not the learner's
         first = 0
-        while first < self.curindex and _plumbing(self.stack[first][0]):
-            first += 1
+        for i in range(self.curindex):
+            name = self.stack[i][0].f_code.co_filename
+            if name.startswith(PACKAGE_DIR):
+                first = i + 1
+            elif not _plumbing(self.stack[i][0]) and name != "<string>":   # the learner's outermost frame
+                break
         if first:
             del self.stack[:first]
             self.curindex -= first
@@ -222,7 +229,8 @@ class _Input:
                 return answer + "\n"
             d.nobody = True
             then = "continuing" if d.mode == "breakpoint" else "leaving the debugger"
-            print(f"{d.what} at {d.where()}: no one to answer here; {then}", flush=True)
+            where = KERNEL_CELL.sub("<notebook cell>", d.where())
+            print(f"{d.what} at {where}: no one to answer here; {then}", flush=True)
         return "q\n"
 
 
