@@ -91,7 +91,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from .launcher import NO_GPU_ZERO, WorkerError, check_seed, check_timeout, check_world_size, launch, resolve_backend
 from .pool import Pool
 from .runtime.cells import PerRank, globals_to_send
-from .runtime.debug_session import answering
+from .runtime.debug_session import answering, someone_to_ask
 from .runtime.output import output_sink
 from .runtime.rank_views import TabSink
 from .runtime.stacks import timeout_called
@@ -291,6 +291,9 @@ class DDPMagics(Magics):
                 pool.debug(rank)   # raises the ValueError that says why
         except ValueError as exc:
             raise UsageError(f"%ddp debug: {exc}") from None
+        if commands is None and not someone_to_ask():
+            raise UsageError("%ddp debug: no one can answer pdb's prompts here (this kernel has no stdin): "
+                             'give the commands, e.g. %ddp debug -c "p x" -c q')
         with answering(commands):
             pool.debug(rank)
 

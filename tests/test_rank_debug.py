@@ -152,6 +152,7 @@ def test_an_interrupt_at_the_prompt_ends_the_session_and_leaves_nothing(kernel):
 def test_commands_given_up_front_answer_without_stdin(tmp_path):
     # nbclient, as nbval runs a notebook: the kernel has no stdin
     cells = ["%load_ext ddp_helpers\n%ddp start -n 2", UNEVEN,
+             "%ddp debug",   # no one could answer: the commands must be given
              '%ddp debug 1 -c "p batch.shape" -c "q"',
              '%%ddp --pdb "p y;; c"\ny = rank * 10\nif rank == 1:\n    breakpoint()\ny',
              "%%ddp\nif rank == 1:\n    breakpoint()\nrank",
@@ -162,18 +163,19 @@ def test_commands_given_up_front_answer_without_stdin(tmp_path):
              "%ddp debug",
              "%ddp stop"]
     out = run_notebook(cells, timeout=seconds(60))
-    assert text_of(out[2]) == ("[rank 1] > <ddp-cell-1>(2)<module>()\n[rank 1] -> flat = batch.view(4, 3)\n"
+    assert "no one can answer pdb's prompts here (this kernel has no stdin)" in text_of(out[2])
+    assert text_of(out[3]) == ("[rank 1] > <ddp-cell-1>(2)<module>()\n[rank 1] -> flat = batch.view(4, 3)\n"
                                "[rank 1] (Pdb) p batch.shape\n[rank 1] torch.Size([3, 3])\n[rank 1] (Pdb) q\n")
-    assert text_of(out[3]) == ("[rank 1] > <ddp-cell-2>(4)<module>()\n[rank 1] -> y\n"
-                               "[rank 1] (Pdb) p y;; c\n[rank 1] 10\n[rank 0] 0\n[rank 1] 10"), text_of(out[3])
-    assert text_of(out[4]) == ("[rank 1] breakpoint() at <ddp-cell-3>:2: no one to answer here; continuing\n"
-                               "[rank 0] 0\n[rank 1] 1"), text_of(out[4])
-    assert "so they were stopped; rank 1 stays for `%ddp debug` until the next cell" in text_of(out[5])
-    assert text_of(out[6]) == ("[rank 1] > <ddp-cell-4>(3)<module>()\n[rank 1] -> raise ValueError('only rank 1')\n"
-                               "[rank 1] (Pdb) p x\n[rank 1] 6\n[rank 1] (Pdb) q\n"), text_of(out[6])
-    assert text_of(out[7]) == ("ddp pool: started 2 new ranks (gloo); their variables are empty.\n"
-                               "[rank 0] 0\n[rank 1] 1"), text_of(out[7])
-    assert "nothing to debug: no rank raised in the last cell" in text_of(out[8])
+    assert text_of(out[4]) == ("[rank 1] > <ddp-cell-2>(4)<module>()\n[rank 1] -> y\n"
+                               "[rank 1] (Pdb) p y;; c\n[rank 1] 10\n[rank 0] 0\n[rank 1] 10"), text_of(out[4])
+    assert text_of(out[5]) == ("[rank 1] breakpoint() at <ddp-cell-3>:2: no one to answer here; continuing\n"
+                               "[rank 0] 0\n[rank 1] 1"), text_of(out[5])
+    assert "so they were stopped; rank 1 stays for `%ddp debug` until the next cell" in text_of(out[6])
+    assert text_of(out[7]) == ("[rank 1] > <ddp-cell-4>(3)<module>()\n[rank 1] -> raise ValueError('only rank 1')\n"
+                               "[rank 1] (Pdb) p x\n[rank 1] 6\n[rank 1] (Pdb) q\n"), text_of(out[7])
+    assert text_of(out[8]) == ("ddp pool: started 2 new ranks (gloo); their variables are empty.\n"
+                               "[rank 0] 0\n[rank 1] 1"), text_of(out[8])
+    assert "nothing to debug: no rank raised in the last cell" in text_of(out[9])
 
 
 SCRIPT = '''

@@ -56,6 +56,7 @@ class DebugServer:
         self.conns = []
         self.paused_s = 0.0
         self.current = None   # the connection of the rank whose pdb session is going on
+        self._waiting = []    # (connection, message) read and not yet taken up
         self._queues = {}   # rank -> (pdb stop number, commands left)
 
     def fds(self):
@@ -72,24 +73,32 @@ class DebugServer:
                     break
                 sock.setblocking(True)
                 self.conns.append(multiprocessing.connection.Connection(sock.detach()))
-        # one rank's session at a time: another rank's prompt waits in its socket until this one ends
-        for conn in [c for c in self.conns if c in ready and self.current in (None, c)]:
+        for conn in [c for c in self.conns if c in ready]:
             try:
                 message = conn.recv()
             except (EOFError, OSError):
                 self._drop(conn)
                 continue
+            if message[0] == "ask":
+                self._reply(conn, ("ack", None))   # taken up: the rank waits for its answer now
+            self._waiting.append((conn, message))
+        # one rank's session at a time: another rank's prompt waits until this one's session ends
+        while True:
+            mine = [w for w in self._waiting if self.current in (None, w[0])]
+            if not mine:
+                break
+            self._waiting.remove(mine[0])
             before_printing()
-            self._take(conn, *message)
+            self._take(*mine[0])
 
-    def _take(self, conn, kind, rank, text, stop, mode):
-        if kind == "ask" and (_answers[-1] if _answers else None) is None and not _someone_to_ask():
-            self._reply(conn, ("ack", None), ("nobody", None))   # the rank says so, in one line
+    def _take(self, conn, message):
+        kind, rank, text, stop, mode = message
+        if kind == "ask" and (_answers[-1] if _answers else None) is None and not someone_to_ask():
+            self._reply(conn, ("nobody", None))   # the rank says so, in one line
             return
         _print(rank, KERNEL_CELL.sub("<notebook cell>", text))
         self.current = conn if kind == "ask" else None
         if kind == "ask":
-            self._reply(conn, ("ack", None))
             line = self._answer(rank, stop, mode)
             self._reply(conn, ("line", line) if line is not None else ("nobody", None))
 
@@ -124,6 +133,7 @@ class DebugServer:
     def _drop(self, conn):
         if self.current is conn:
             self.current = None
+        self._waiting = [w for w in self._waiting if w[0] is not conn]
         if conn in self.conns:
             self.conns.remove(conn)
             conn.close()
@@ -145,7 +155,7 @@ def _print(rank, text):
     print("\n".join(f"[rank {rank}] {line}" for line in lines.split("\n")), flush=True)
 
 
-def _someone_to_ask():
+def someone_to_ask():
     """Whether input() can reach a person: a Jupyter kernel whose cell allows stdin, or a terminal."""
     shell = _ipython()
     kernel = getattr(shell, "kernel", None)
@@ -156,7 +166,7 @@ def _someone_to_ask():
 
 def _ask_person(prompt):
     """The person's answer, or None when there is no one to ask here."""
-    if not _someone_to_ask():
+    if not someone_to_ask():
         return None
     try:
         return input(prompt)
