@@ -35,6 +35,7 @@ import psutil
 from .launcher import (WorkerError, check_env, check_seed, check_timeout, check_world_size,
                        error_from_record, resolve_backend, timeout_error)
 from .runtime.cells import PerRank, dumps, dumps_with_sources, globals_to_send
+from .runtime.debug_session import NO_ONE, answering
 from .runtime.protocol import Call, Debug, Exec, Pull, Push, Reply, Request, Stop
 from .runtime.serve import serve
 from .runtime.stacks import stacks_of
@@ -234,7 +235,7 @@ class Pool:
             # rest, and the others for what they never got. As after an interrupted cell: new ranks.
             self._discard()
             raise interrupted(f"the ranks were stopped while the request was being sent; {RESET}.") from None
-        return self._collect(timeout, what="cell", ranks=ranks)
+        return self._collect(timeout, what="debug" if isinstance(request, Debug) else "cell", ranks=ranks)
 
     def _replace_dead_ranks(self):
         """A rank that died while idle (killed, out of memory): say so, and drop the pool."""
@@ -267,6 +268,8 @@ class Pool:
                                                           replies={r: self._conns[r] for r in ranks},
                                                           stopped=frozenset(self._stuck))
         except KeyboardInterrupt:
+            if what == "debug" and self._end_debugging(ranks):
+                raise interrupted("the debugging session was ended; the rank keeps its variables.") from None
             self._discard()
             raise interrupted(f"the ranks were stopped (a collective may have been cut half-way); {RESET}.") from None
         if outcome == "failed":
@@ -295,6 +298,19 @@ class Pool:
             note = f"ranks {errors[1:]} raised too" if len(errors) > 1 else ""
             raise error_from_record(first, replies[first].error, self.run_dir, note)
         return [cloudpickle.loads(replies[r].value) for r in ranks]
+
+    def _end_debugging(self, ranks, wait_s=5):
+        """After an Interrupt during `debug` (no collective runs): end the rank's pdb session (it hears
+        that no one answers any more, or gets the Interrupt itself) and wait for its reply. Whether
+        it came: the rank is idle again, and the pool stays."""
+        self._ranks.debug.close_sessions()
+        try:
+            with answering(NO_ONE):   # pdb's own loop takes an Interrupt as a command, and asks again
+                outcome, _ = self._ranks.wait_for_replies(time.monotonic() + wait_s, stopped=frozenset(self._stuck),
+                                                          replies={r: self._conns[r] for r in ranks})
+        except KeyboardInterrupt:
+            return False
+        return outcome == "done"
 
     def _give_up_timeout(self, unfinished, timeout, name=None):
         stacks = stacks_of(self._ranks, unfinished)

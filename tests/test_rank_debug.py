@@ -147,6 +147,15 @@ def test_an_interrupt_at_the_prompt_ends_the_session_and_leaves_nothing(kernel):
     assert not os.path.exists(os.path.join(run_dir, "pdb.sock"))
     text, _ = execute(client, "%%ddp\nrank")
     assert text.endswith("[rank 0] 0\n[rank 1] 1\n"), text
+    # an Interrupt in a post-mortem (no collective runs) ends the session; the ranks stay as they were
+    pids = pool_pids(client)
+    execute(client, UNEVEN)
+    text, prompts = execute(client, "%ddp debug", answers=["p batch.shape", km.interrupt_kernel])
+    assert prompts == ["[rank 1] (Pdb) ", "[rank 1] (Pdb) "] and "[rank 1] torch.Size([3, 3])" in text
+    assert "KeyboardInterrupt: the debugging session was ended; the rank keeps its variables." in text, text
+    text, _ = execute(client, "%%ddp\nbatch.shape[0]")
+    assert text == "[rank 0] 4\n[rank 1] 3\n", text
+    assert pool_pids(client) == pids
 
 
 def test_commands_given_up_front_answer_without_stdin(tmp_path):

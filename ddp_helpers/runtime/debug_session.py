@@ -27,12 +27,13 @@ import time
 from .rank_pdb import KERNEL_CELL
 
 _answers = []   # a stack of command lists (answering)
+NO_ONE = ("no one",)   # answering(NO_ONE): every prompt hears that no one answers
 
 
 @contextlib.contextmanager
 def answering(commands):
     """Answer the ranks' pdb prompts with `commands` (a list of lines; None: ask the person)."""
-    _answers.append(None if commands is None else list(commands))
+    _answers.append(commands if commands is None or commands is NO_ONE else list(commands))
     try:
         yield
     finally:
@@ -93,7 +94,11 @@ class DebugServer:
 
     def _take(self, conn, message):
         kind, rank, text, stop, mode = message
-        if kind == "ask" and (_answers[-1] if _answers else None) is None and not someone_to_ask():
+        commands = _answers[-1] if _answers else None
+        if commands is NO_ONE:
+            self._reply(conn, ("nobody", None)) if kind == "ask" else None
+            return
+        if kind == "ask" and commands is None and not someone_to_ask():
             self._reply(conn, ("nobody", None))   # the rank says so, in one line
             return
         _print(rank, KERNEL_CELL.sub("<notebook cell>", text))
@@ -138,10 +143,13 @@ class DebugServer:
             self.conns.remove(conn)
             conn.close()
 
+    def close_sessions(self):
+        """End every rank's connection: a rank at a prompt hears that no one answers, and goes on."""
+        for conn in list(self.conns):
+            self._drop(conn)
+
     def close(self):
-        for conn in self.conns:
-            conn.close()
-        self.conns = []
+        self.close_sessions()
         self.listener.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
