@@ -44,6 +44,9 @@ class DebugServer:
     """The socket a run's ranks reach the kernel's pdb prompt through. See the module docstring."""
 
     def __init__(self, run_dir):
+        self.conns = []
+        self.current = None   # the connection of the rank whose pdb session is going on
+        self._waiting = []    # (connection, message) read and not yet taken up
         self.path = os.path.join(run_dir, "pdb.sock")
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -51,22 +54,22 @@ class DebugServer:
             os.chmod(self.path, 0o600)
             self.listener.listen(64)
             self.listener.setblocking(False)
+        except OSError:   # a path too long for a socket (a deep $TMPDIR): breakpoints find no one to answer
+            self.close()
+            self.path = self.listener = None
         except BaseException:
             self.close()
             raise
-        self.conns = []
         self.paused_s = 0.0
-        self.current = None   # the connection of the rank whose pdb session is going on
-        self._waiting = []    # (connection, message) read and not yet taken up
         self._queues = {}   # rank -> (pdb stop number, commands left)
 
     def fds(self):
-        return [self.listener, *self.conns]
+        return [self.listener, *self.conns] if self.listener is not None else []
 
     def serve(self, ready, before_printing):
         """Take up what is ready among `fds()`: new ranks, their output and prompts.
         `before_printing()` prints what the ranks wrote before (their pipes)."""
-        if self.listener in ready:
+        if self.listener is not None and self.listener in ready:
             while True:
                 try:
                     sock, _ = self.listener.accept()
@@ -150,9 +153,10 @@ class DebugServer:
 
     def close(self):
         self.close_sessions()
-        self.listener.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+        if self.listener is not None:
+            self.listener.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
 
 
 def _print(rank, text):

@@ -78,7 +78,9 @@ class Supervisor:
             raise
         self.port = self.store.port
         self.private_network = self.store.private is None   # see private_net
-        self.env = {**env, "MASTER_PORT": str(self.port), SOCKET_ENV: self.debug.path}
+        self.env = {**env, "MASTER_PORT": str(self.port)}
+        if self.debug.path is not None:
+            self.env[SOCKET_ENV] = self.debug.path
 
     def start(self, target, args):
         """Start the ranks: `target(local_rank, *args)` in each."""
