@@ -2,7 +2,8 @@
 
 `DebugServer` listens on a Unix socket in the run folder (mode 0600, in the user's private run
 root); the `Supervisor` passes its path to the ranks (`rank_pdb.SOCKET_ENV`) and serves it in the
-loop where it waits for them. A rank at a pdb prompt sends what pdb printed; it is printed in the
+loop where it waits for them. A rank at a pdb prompt sends what pdb printed (as JSON: plain data,
+so nothing a rank sends can run code in the kernel, as unpickling could); it is printed in the
 cell as `[rank N] ...` lines (after what the rank printed before), and the prompt is answered:
 
 - with the commands given up front (`answering(commands)`: `%%ddp --pdb`, `%ddp debug -c`),
@@ -18,6 +19,7 @@ spent at the prompt is added to the deadline. An Interrupt at the prompt raises 
 out of the wait, which ends the run as an Interrupt always does (the ranks are stopped).
 """
 import contextlib
+import json
 import multiprocessing.connection
 import os
 import socket
@@ -79,8 +81,11 @@ class DebugServer:
                 self.conns.append(multiprocessing.connection.Connection(sock.detach()))
         for conn in [c for c in self.conns if c in ready]:
             try:
-                message = conn.recv()
-            except (EOFError, OSError):
+                message = json.loads(conn.recv_bytes())   # plain data: nothing a rank sends runs here
+            except (EOFError, OSError, ValueError):
+                self._drop(conn)
+                continue
+            if not _well_formed(message):
                 self._drop(conn)
                 continue
             if message[0] == "ask":
@@ -99,7 +104,8 @@ class DebugServer:
         kind, rank, text, stop, mode = message
         commands = _answers[-1] if _answers else None
         if commands is NO_ONE:
-            self._reply(conn, ("nobody", None)) if kind == "ask" else None
+            if kind == "ask":
+                self._reply(conn, ("nobody", None))
             return
         if kind == "ask" and commands is None and not someone_to_ask():
             self._reply(conn, ("nobody", None))   # the rank says so, in one line
@@ -113,7 +119,7 @@ class DebugServer:
     def _reply(self, conn, *messages):
         try:
             for message in messages:
-                conn.send(message)
+                conn.send_bytes(json.dumps(message).encode())
         except OSError:   # the rank is gone
             self._drop(conn)
 
@@ -157,6 +163,13 @@ class DebugServer:
             self.listener.close()
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
+
+
+def _well_formed(message):
+    """[kind, rank, pdb's output, stop number, mode], as `rank_pdb` sends it."""
+    return (isinstance(message, list) and len(message) == 5 and message[0] in ("ask", "out")
+            and isinstance(message[1], int) and isinstance(message[2], str)
+            and message[4] in ("breakpoint", "post-mortem"))
 
 
 def _print(rank, text):

@@ -18,6 +18,7 @@ learner's line (`input()`, the kernel's stdin channel), or with commands given u
   continues. `PYTHONBREAKPOINT=0` disables `breakpoint()` as it always does.
 """
 import itertools
+import json
 import os
 import pdb
 import re
@@ -240,11 +241,11 @@ def _ask(message):
     if conn is None:
         return None
     try:
-        conn.send(message)
+        conn.send_bytes(json.dumps(message).encode())
         if not conn.poll(ACK_S):   # the kernel does not serve us (it is not waiting for this run)
             raise OSError("no answer")
-        conn.recv()   # ("ack",): the kernel took it up; a person may take long to answer
-        kind, line = conn.recv()
+        conn.recv_bytes()   # ["ack", null]: the kernel took it up; a person may take long to answer
+        kind, line = json.loads(conn.recv_bytes())
     except (EOFError, OSError, KeyboardInterrupt) as exc:
         _forget_channel()
         if isinstance(exc, KeyboardInterrupt):
@@ -257,7 +258,7 @@ def _send(message):
     conn = _connect()
     try:
         if conn is not None:
-            conn.send(message)
+            conn.send_bytes(json.dumps(message).encode())
     except OSError:
         _forget_channel()
 
