@@ -107,13 +107,15 @@ def test_a_breakpoint_on_rank_1_of_2_continues_and_its_wait_does_not_count(kerne
     _, client = kernel
     execute(client, "%load_ext ddp_helpers")
 
+    limit = seconds(3)   # the cell's -t (and its group's timeout): long enough to start 2 ranks here
+
     def after_the_timeout():
-        time.sleep(4)   # longer than the cell's -t 3: the time at the prompt does not count
+        time.sleep(limit + 1)   # longer than the cell's -t: the time at the prompt does not count
         client.input("c")
 
     # dist.breakpoint: the other rank waits in its barrier (with the group's timeout raised, as
-    # torch's does: this cell's group has -t 3), then both meet in the all_reduce
-    cell = "%%ddp -t 3\ny = rank * 10\ndist.breakpoint(1)\nt = torch.tensor([y])\ndist.all_reduce(t)\nt.item()"
+    # torch's does: this cell's group has the cell's -t), then both meet in the all_reduce
+    cell = f"%%ddp -t {limit:g}\ny = rank * 10\ndist.breakpoint(1)\nt = torch.tensor([y])\ndist.all_reduce(t)\nt.item()"
     text, prompts = execute(client, cell, answers=["p y", after_the_timeout])
     assert prompts == ["[rank 1] (Pdb) ", "[rank 1] (Pdb) "]
     assert "[rank 1] > <ddp-cell-1>(2)<module>()\n[rank 1] -> dist.breakpoint(1)\n" in text
