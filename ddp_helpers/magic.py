@@ -58,6 +58,18 @@ without %%ddp (after `%load_ext ddp_helpers` mp.spawn starts the ranks from the 
 A cell that runs past `-t` (120 s by default) is stopped; the error says whether the ranks were
 waiting in a collective (a rank that never calls it) or still in their own code (raise `-t`).
 
+pdb in a rank, its prompt `[rank N] (Pdb) ` in the cell (answered in the input box, as `%debug`):
+
+    %ddp debug                  # after a cell raised on a warm pool: the lowest rank that raised
+    %ddp debug 1 -c "p x" -c q  # rank 1, with the commands given up front (no one to answer: nbval)
+
+    %%ddp --pdb "p x.shape;; c" # breakpoint() and dist.breakpoint(r) in the cell: these commands answer
+    x = torch.ones(rank + 1)
+    breakpoint()
+
+At a breakpoint `q` lets the rank go on, as `c` does; time at the prompt does not count against `-t`.
+See `runtime.rank_pdb`.
+
 A rank has no stdin: `input()` raises `runtime.rank_io.NoStdin` (an EOFError) at once. Read the value in
 the notebook first (the cell takes the notebook variables it uses), or `%ddp push` it.
 
@@ -79,12 +91,13 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from .launcher import NO_GPU_ZERO, WorkerError, check_seed, check_timeout, check_world_size, launch, resolve_backend
 from .pool import Pool
 from .runtime.cells import PerRank, globals_to_send
+from .runtime.debug_session import answering, someone_to_ask
 from .runtime.output import output_sink
 from .runtime.rank_views import TabSink
 from .runtime.stacks import timeout_called
 from .runtime.worker import run_cell
 
-LINE_COMMANDS = ("start", "stop", "status", "push", "pull")
+LINE_COMMANDS = ("start", "stop", "status", "push", "pull", "debug")
 
 
 def _positive_int(text: str) -> int:
@@ -119,6 +132,13 @@ def _rank_list(text: str) -> list[int]:
     return [int(p) for p in parts]
 
 
+def _unquoted(commands: list[str] | None) -> list[str] | None:
+    """-c "p x" / --pdb "p x;; c": IPython's argument split keeps the quotes around each value."""
+    if commands is None:
+        return None
+    return [c[1:-1] if len(c) >= 2 and c[0] == c[-1] and c[0] in "'\"" else c for c in commands]
+
+
 def _checked(opts: argparse.Namespace) -> argparse.Namespace:
     """Mistakes in the options, found before any process starts: IPython's UsageError (as
     ipyparallel's magics do), one line, no traceback."""
@@ -130,6 +150,7 @@ def _checked(opts: argparse.Namespace) -> argparse.Namespace:
         check_timeout(opts.timeout)
     except (TypeError, ValueError) as exc:
         raise UsageError(str(exc)) from None
+    opts.pdb, opts.commands = _unquoted(opts.pdb), _unquoted(opts.commands)
     if opts.out is not None and not opts.out.isidentifier():
         raise UsageError(f"-o NAME: a Python variable name, got {opts.out!r}")
     return opts
@@ -151,17 +172,25 @@ class DDPMagics(Magics):
     @argument("--tabs", action="store_true", help="%%%%ddp: each rank's output on a tab of its own")
     @argument("--seed", type=_seed, default=None,
               help="seed rank r's torch, NumPy and random with SEED + r first (default: fresh entropy)")
+    @argument("--pdb", action="append", default=None, metavar="COMMANDS",
+              help="%%%%ddp: answer each pdb prompt of a breakpoint() with these commands "
+                   "(pdb's ;; separates several), instead of asking")
+    @argument("-c", "--commands", action="append", default=None, metavar="COMMAND",
+              help="%%ddp debug: the pdb commands to run, one per -c, instead of asking")
     @argument("command", nargs="*",
-              help="%%ddp only: start, stop, status, push NAME [NAME ...] or pull NAME")
+              help="%%ddp only: start, stop, status, push NAME [NAME ...], pull NAME or debug [RANK]")
     def ddp(self, line: str, cell: str | None = None) -> PerRank | None:
-        """%%ddp [-n N] [-b BACKEND] [-t SECONDS] [-o NAME] [-r RANKS] [--tabs] [--seed N]: run this cell
-        on every rank. %ddp start [--seed N]|stop|status|push NAMES|pull NAME: manage a warm pool of ranks."""
+        """%%ddp [-n N] [-b BACKEND] [-t SECONDS] [-o NAME] [-r RANKS] [--tabs] [--seed N] [--pdb CMDS]: run
+        this cell on every rank. %ddp start [--seed N]|stop|status|push NAMES|pull NAME: manage a warm pool
+        of ranks; %ddp debug [RANK] [-c CMD ...]: pdb where the last cell raised."""
         opts = _checked(parse_argstring(self.ddp, line))
         if cell is None:
             return self._line(opts)
         if opts.command:
             raise UsageError(f"%%ddp takes options only, got {' '.join(opts.command)!r}: "
-                             "start, stop, status, push and pull go with %ddp (one %)")
+                             "start, stop, status, push, pull and debug go with %ddp (one %)")
+        if opts.commands is not None:
+            raise UsageError("-c goes with %ddp debug; %%ddp --pdb \"p x;; c\" answers a cell's breakpoints")
         pool = DDPMagics.pool
         if pool is not None:
             if opts.nprocs not in (None, pool.world_size) or opts.backend not in (None, pool.backend):
@@ -179,7 +208,7 @@ class DDPMagics(Magics):
         DDPMagics._cells_run += 1
         filename = f"<ddp-cell-{DDPMagics._cells_run}>"
         with (output_sink(TabSink(ranks)) if opts.tabs else contextlib.nullcontext(),
-              timeout_called("-t"), _hint_for_nested_spawn()):
+              timeout_called("-t"), _hint_for_nested_spawn(), answering(opts.pdb)):
             if pool is not None:
                 values = pool.run_cell(cell, self.shell.user_ns, filename, timeout=opts.timeout,
                                        ranks=opts.ranks, seed=opts.seed)
@@ -194,8 +223,12 @@ class DDPMagics(Magics):
     def _line(self, opts: argparse.Namespace) -> PerRank | None:
         command, names = (opts.command[0], opts.command[1:]) if opts.command else ("", [])
         if command not in LINE_COMMANDS:
-            raise UsageError(f"unknown %ddp command {command!r}: use start, stop, status, push or pull "
+            raise UsageError(f"unknown %ddp command {command!r}: use start, stop, status, push, pull or debug "
                              "(and %%ddp, with two %, to run a cell)")
+        if opts.pdb is not None:
+            raise UsageError("--pdb goes with %%ddp cells; %ddp debug takes -c COMMAND")
+        if opts.commands is not None and command != "debug":
+            raise UsageError(f"-c goes with %ddp debug, not %ddp {command}")
         if names and command in ("start", "stop", "status"):
             raise UsageError(f"%ddp {command} takes no names, got {' '.join(names)!r}")
         if opts.seed is not None and command != "start":
@@ -210,7 +243,11 @@ class DDPMagics(Magics):
             return None
         pool = DDPMagics.pool
         if pool is None:
-            raise UsageError("no pool is running: `%ddp start -n 4` starts one")
+            raise UsageError("no pool is running: `%ddp start -n 4` starts one"
+                         + (" (%ddp debug looks at a warm pool's ranks: those of a plain %%ddp cell are gone)"
+                            if command == "debug" else ""))
+        if command == "debug":
+            return self._debug(pool, names, opts.commands)
         if command == "stop":
             pool.stop()
             DDPMagics.pool = None
@@ -239,6 +276,26 @@ class DDPMagics(Magics):
                                      "or `%ddp push` it)") from None
                 raise
         return None
+
+
+    @staticmethod
+    def _debug(pool: Pool, names: list[str], commands: list[str] | None) -> None:
+        """%ddp debug [RANK] [-c COMMAND ...]: pdb in the rank where the last cell raised."""
+        if len(names) > 1 or (names and not names[0].isdigit()):
+            raise UsageError(f"%ddp debug [RANK]: one rank number at most, got {' '.join(names)!r}")
+        try:
+            rank = int(names[0]) if names else None
+            if rank is not None:
+                pool.check_ranks([rank])
+            if not pool.failed_ranks or (rank is not None and rank not in pool.failed_ranks):
+                pool.debug(rank)   # raises the ValueError that says why
+        except ValueError as exc:
+            raise UsageError(f"%ddp debug: {exc}") from None
+        if commands is None and not someone_to_ask():
+            raise UsageError("%ddp debug: no one can answer pdb's prompts here (this kernel has no stdin): "
+                             'give the commands, e.g. %ddp debug -c "p x" -c q')
+        with answering(commands):
+            pool.debug(rank)
 
 
 @contextlib.contextmanager

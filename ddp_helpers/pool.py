@@ -20,9 +20,11 @@ that dies, even while idle, is reported the same way.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing
 import os
 import pickle
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -34,7 +36,8 @@ from .launcher import (WorkerError, check_env, check_gpu_wait, check_seed, check
                        error_from_record, resolve_backend, timeout_error)
 from . import gpu_leases
 from .runtime.cells import PerRank, dumps, dumps_with_sources, globals_to_send
-from .runtime.protocol import Call, Exec, Pull, Push, Reply, Request, Stop
+from .runtime.debug_session import NO_ONE, answering
+from .runtime.protocol import Call, Debug, Exec, Pull, Push, Reply, Request, Stop
 from .runtime.serve import serve
 from .runtime.stacks import stacks_of
 from .runtime.supervisor import Supervisor, describe_exit, interrupted
@@ -62,6 +65,10 @@ class Pool:
         self._conns = []
         self._stopped = False
         self.run_dir = self.port = None
+        self.failed_ranks = []       # the ranks where the last cell (or run) raised: `debug`
+        self._errors, self._failed_gone = [], False
+        self._broken = False         # some ranks were stopped after an error; the others stay for `debug`
+        self._stuck = []             # those stopped
         self.backend, self.lease = gpu_leases.for_ranks(self.backend, backend, self.world_size,
                                                         check_gpu_wait(gpu_wait), self.env, "a warm pool")
         self.env = {**self.env, **self.lease.env}
@@ -93,7 +100,7 @@ class Pool:
         if only is not None and self._ranks is not None and not self._sees_collectives:
             _notice(f"this torch does not show the ranks their collectives: one in a cell on ranks {ranks} "
                     f"would wait until the timeout ({timeout:g} s).")
-        values = self._request(Exec(source, sent, filename, only, seed=seed), timeout, ranks)
+        values = self._cell(Exec(source, sent, filename, only, seed=seed), timeout, ranks)
         return PerRank.of(values, ranks)
 
     def check_ranks(self, ranks: Iterable[int] | None) -> list[int]:
@@ -118,7 +125,23 @@ class Pool:
         """Call `fn(*args, **kwargs)` on every rank; return the results by rank. `timeout` and `seed`
         are the pool's own (as in `run_cell`), not passed to `fn`."""
         seed = check_seed(seed)
-        return self._request(Call(fn, args, kwargs, seed=seed), timeout)
+        return self._cell(Call(fn, args, kwargs, seed=seed), timeout)
+
+    def debug(self, rank: int | None = None, timeout: float = 120) -> None:
+        """pdb in `rank`, in the traceback of the last cell (or `run`) where it raised, at the frame
+        of the learner's code that raised (None: the lowest rank that raised). Its prompts are
+        answered in the kernel (`runtime.debug_session`); the rank stays up, with its variables.
+        A ValueError, before anything is sent, when that rank did not raise in the last cell."""
+        if not self.failed_ranks:
+            why = ("the ranks were stopped after it raised (their variables are gone)" if self._failed_gone
+                   else "no rank raised in the last cell")
+            raise ValueError(f"nothing to debug: {why}")
+        if rank is None:
+            rank = self.failed_ranks[0]
+        if rank not in self.failed_ranks:
+            self.check_ranks([rank])
+            raise ValueError(f"rank {rank} did not raise in the last cell (rank(s) {self.failed_ranks} did)")
+        self._request(Debug(), timeout, ranks=[rank])
 
     def push(self, **values) -> None:
         """Set variables in every rank's namespace. A value that cannot travel (a lock, an open
@@ -163,6 +186,14 @@ class Pool:
         return f"Pool(world_size={self.world_size}, backend={self.backend!r}, {state})"
 
     # ------------------------------------------------------------ internals
+    def _cell(self, request, timeout, ranks=None):
+        """A cell or a call: which ranks raised in it is kept for `debug`."""
+        self.failed_ranks, self._errors, self._failed_gone = [], [], False
+        try:
+            return self._request(request, timeout, ranks)
+        finally:
+            self.failed_ranks = self._errors if self._ranks is not None else []
+            self._failed_gone = bool(self._errors) and self._ranks is None
     def _start(self):
         n = self.world_size
         ranks = Supervisor(n, quiet=False, env=self.env)
@@ -195,7 +226,10 @@ class Pool:
             raise interrupted("nothing was sent to the ranks; they keep their variables.") from None
         except Exception as exc:
             raise _cannot_send(request, exc) from None
-        self._replace_dead_ranks()
+        if self._broken and not isinstance(request, Debug):
+            self._discard()   # the ranks kept for `debug` after an error: fresh ones now
+        if not self._broken:
+            self._replace_dead_ranks()
         if self._ranks is None:
             self._start()
             _notice(f"started {self.world_size} new ranks ({self.backend}); their variables are empty.")
@@ -211,7 +245,7 @@ class Pool:
             # rest, and the others for what they never got. As after an interrupted cell: new ranks.
             self._discard()
             raise interrupted(f"the ranks were stopped while the request was being sent; {RESET}.") from None
-        return self._collect(timeout, what="cell", ranks=ranks)
+        return self._collect(timeout, what="debug" if isinstance(request, Debug) else "cell", ranks=ranks)
 
     def _replace_dead_ranks(self):
         """A rank that died while idle (killed, out of memory): say so, and drop the pool."""
@@ -241,8 +275,11 @@ class Pool:
         supervisor = self._ranks
         try:
             outcome, detail = supervisor.wait_for_replies(time.monotonic() + timeout, on_reply=take,
-                                                          replies={r: self._conns[r] for r in ranks})
+                                                          replies={r: self._conns[r] for r in ranks},
+                                                          stopped=frozenset(self._stuck))
         except KeyboardInterrupt:
+            if what == "debug" and self._end_debugging(ranks):
+                raise interrupted("the debugging session was ended; the rank keeps its variables.") from None
             self._discard()
             raise interrupted(f"the ranks were stopped (a collective may have been cut half-way); {RESET}.") from None
         if outcome == "failed":
@@ -260,6 +297,7 @@ class Pool:
         if any(reply.has_children for reply in replies.values()):
             supervisor.note_started_processes()   # ended with the pool, even if their rank dies
         errors = sorted(r for r, reply in replies.items() if not reply.ok)
+        self._errors = errors
         if not all(reply.group_alive for reply in replies.values()):
             self._discard()
             _notice(f"the cell destroyed the process group, so the ranks were stopped; {RESET}.")
@@ -271,6 +309,19 @@ class Pool:
             raise error_from_record(first, replies[first].error, self.run_dir, note)
         return [cloudpickle.loads(replies[r].value) for r in ranks]
 
+    def _end_debugging(self, ranks, wait_s=5):
+        """After an Interrupt during `debug` (no collective runs): end the rank's pdb session (it hears
+        that no one answers any more, or gets the Interrupt itself) and wait for its reply. Whether
+        it came: the rank is idle again, and the pool stays."""
+        self._ranks.debug.close_sessions()
+        try:
+            with answering(NO_ONE):   # pdb's own loop takes an Interrupt as a command, and asks again
+                outcome, _ = self._ranks.wait_for_replies(time.monotonic() + wait_s, stopped=frozenset(self._stuck),
+                                                          replies={r: self._conns[r] for r in ranks})
+        except KeyboardInterrupt:
+            return False
+        return outcome == "done"
+
     def _give_up_timeout(self, unfinished, timeout, name=None):
         stacks = stacks_of(self._ranks, unfinished)
         self._discard()
@@ -278,17 +329,28 @@ class Pool:
                             after=f"The ranks were stopped; {RESET}.")
 
     def _give_up_stuck(self, replies, stuck):
-        first = min(r for r, reply in replies.items() if not reply.ok)
-        self._discard()
+        """Ranks still running after another raised, waiting for it in a collective: they are
+        stopped now; the ranks that raised stay, for `debug`, until the next request (not `debug`),
+        which starts fresh ranks."""
+        self._errors = sorted(r for r, reply in replies.items() if not reply.ok)
+        first = self._errors[0]
+        for r in stuck:
+            with contextlib.suppress(OSError):
+                os.kill(self._ranks.processes[r].pid, signal.SIGKILL)
+        for r in stuck:
+            self._ranks.processes[r].join(5)
+        self._broken, self._stuck = True, stuck
         raise error_from_record(
             first, replies[first].error, self.run_dir,
             note=f"rank(s) {stuck} were still running {STUCK_AFTER_ERROR_S} s later, probably waiting for "
-                 f"rank {first} in a collective, so the ranks were stopped; {RESET}")
+                 f"rank {first} in a collective, so they were stopped; rank {first} stays for `%ddp debug` "
+                 f"until the next cell, which starts fresh ranks (their variables are reset)")
 
     def _discard(self):
         """Stop every worker now and free the port; the next request starts new ones."""
         ranks, conns = self._ranks, self._conns
-        self._ranks, self._conns = None, []
+        self._ranks, self._conns, self._broken, self._stuck = None, [], False, []
+        self._failed_gone, self.failed_ranks = self._failed_gone or bool(self.failed_ranks), []
         for conn in conns:
             conn.close()
         if ranks is not None:

@@ -12,6 +12,7 @@ The faces a notebook uses stay at the top of the package (`launcher`, `pool`, `m
 - `forkserver` (and `forkserver_ready`) is the process every rank is forked from; `private_net` the
   network of the ranks' own; `store_host` their rendezvous store; `run_dirs` the run folders.
 - `processes`: whether a process is alive, and ending a process with everything it started.
+- `rank_pdb` is a rank's pdb (breakpoints, post-mortem); `debug_session` the kernel's side of its prompt.
 """
 import os
 

@@ -43,11 +43,16 @@ class Pull:
 
 
 @dataclasses.dataclass
+class Debug:
+    """pdb in the traceback of the last cell or call that raised in this rank (`%ddp debug`)."""
+
+
+@dataclasses.dataclass
 class Stop:
     """Leave the process group and end (`%ddp stop`)."""
 
 
-Request = Union[Exec, Call, Push, Pull, Stop]
+Request = Union[Exec, Call, Push, Pull, Debug, Stop]
 
 
 @dataclasses.dataclass

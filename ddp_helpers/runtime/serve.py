@@ -24,10 +24,10 @@ import sys
 import cloudpickle
 import torch.distributed as dist
 
-from . import rank_io
+from . import rank_io, rank_pdb
 from .cells import dumps
 from .random_state import reseed
-from .protocol import Call, Exec, Pull, Push, Reply, Request, Stop
+from .protocol import Call, Debug, Exec, Pull, Push, Reply, Request, Stop
 from .worker import (describe_exception, end_worker, exec_cell, init_process_group, rank_namespace,
                      setup_worker_process, threads_left_running, to_cpu)
 
@@ -68,6 +68,8 @@ def serve(local_rank, job, connections):
             reply = Reply(value=dumps(to_cpu(state.handle(request))))
         except BaseException as exc:
             reply = Reply(error=describe_exception(exc))
+            if isinstance(request, (Exec, Call)):
+                state.failed = exc   # for `%ddp debug`, with its traceback and the frames' variables
         finally:
             if os.getpid() == me:
                 signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -108,6 +110,7 @@ class _RankState:
     def __init__(self):
         self.namespace = rank_namespace()
         self.from_kernel = {}  # name -> the object the kernel last sent for it
+        self.failed = None     # the exception of the last cell or call that raised here
 
     def handle(self, request: Request):
         if isinstance(request, Exec):
@@ -121,6 +124,10 @@ class _RankState:
         if isinstance(request, Push):
             self.namespace.update(request.values)
             return None
+        if isinstance(request, Debug):
+            if self.failed is None:
+                raise ValueError(f"rank {dist.get_rank()} has no failed cell to debug")
+            return rank_pdb.post_mortem(self.failed)
         if isinstance(request, Pull):
             if request.name not in self.namespace:
                 raise NameError(f"rank {dist.get_rank()} has no variable {request.name!r}")

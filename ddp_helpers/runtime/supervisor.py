@@ -37,7 +37,9 @@ import torch.multiprocessing
 from .. import machine
 from ..compat import loopback_interface
 from . import forkserver, private_net, processes
+from .debug_session import DebugServer
 from .output import OutputPump
+from .rank_pdb import SOCKET_ENV
 from .run_dirs import new_run_dir, release_run_dir, remove_scratch
 from .store_host import StoreHost
 from .worker import omp_threads
@@ -69,12 +71,16 @@ class Supervisor:
             self._resources.callback(remove_scratch, self.run_dir, world_size)
             self.output = OutputPump(self.run_dir, world_size, quiet)
             self._resources.callback(self.output.close)
+            self.debug = DebugServer(self.run_dir)   # the ranks' pdb prompts (rank_pdb)
+            self._resources.callback(self.debug.close)
         except BaseException:
             self._resources.close()
             raise
         self.port = self.store.port
         self.private_network = self.store.private is None   # see private_net
         self.env = {**env, "MASTER_PORT": str(self.port)}
+        if self.debug.path is not None:
+            self.env[SOCKET_ENV] = self.debug.path
 
     def start(self, target, args):
         """Start the ranks: `target(local_rank, *args)` in each."""
@@ -102,11 +108,12 @@ class Supervisor:
 
         return self._pump(deadline, failed, unfinished, check=check)
 
-    def wait_for_replies(self, deadline: float, replies: dict, on_reply: Callable | None = None
-                         ) -> tuple[str, list[int] | None]:
+    def wait_for_replies(self, deadline: float, replies: dict, on_reply: Callable | None = None,
+                         stopped: frozenset = frozenset()) -> tuple[str, list[int] | None]:
         """Print the ranks' output until each rank in `replies` (rank -> the connection on which it
         answers once) has answered, some rank exited (ranks that stay up: any exit is a failure),
-        or `deadline` has passed. `on_reply(rank, message)` sees each answer and may return an
+        or `deadline` has passed (`stopped`: ranks stopped on purpose, whose exit is none). `on_reply(rank,
+        message)` sees each answer and may return an
         earlier deadline (one rank raised: the others get a little longer).
         Returns what `wait_for_exits` returns; "timeout" names the ranks that had not answered.
         """
@@ -129,7 +136,7 @@ class Supervisor:
                     earliest = earlier if earliest is None else min(earliest, earlier)
             return earliest
 
-        return self._pump(deadline, lambda exited: sorted(exited), lambda exited: sorted(pending),
+        return self._pump(deadline, lambda exited: sorted(set(exited) - stopped), lambda exited: sorted(pending),
                           waiting=lambda: [conn for r, conn in pending.items() if r not in closed], take=take)
 
     def _pump(self, deadline, failed, unfinished, check=None, waiting=None, take=None):
@@ -162,10 +169,12 @@ class Supervisor:
             if left <= 0:
                 return "timeout", left_over
             sentinels = {p.sentinel: r for r, p in enumerate(self.processes) if r not in exited}
-            watched = (waiting() if waiting else []) + self.output.fds() + list(sentinels)
+            watched = (waiting() if waiting else []) + self.output.fds() + list(sentinels) + self.debug.fds()
             ready = multiprocessing.connection.wait(watched, timeout=min(left, 0.5))
             look_at = [sentinels[s] for s in ready if s in sentinels] if ready else list(sentinels.values())
             self.output.read([fd for fd in ready if isinstance(fd, int)])
+            self.debug.serve(ready, self.output.drain)   # a rank at a pdb prompt
+            deadline += self.debug.take_paused()          # time at the prompt does not count
             earlier = take(ready) if take is not None else None
             if earlier is not None:
                 deadline = min(deadline, earlier)

@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 from .. import tutorials
 from ..files import atomic_write
-from . import PACKAGE_DIR, rank_io
+from . import PACKAGE_DIR, rank_io, rank_pdb
 from .processes import adopt_orphans, alive, end_children
 from .random_state import reseed
 from .run_dirs import rank_file
@@ -183,6 +183,7 @@ def setup_worker_process(local_rank, job):
     # as a process torchrun starts has (fresh entropy), or seed + rank when a seed is asked for.
     reseed(rank, job.seed)
     rank_io.setup()   # figures and display() reach the notebook; input() says there is no stdin
+    rank_pdb.install()   # breakpoint() and dist.breakpoint: a pdb prompt in the notebook cell
     tutorials.install_in_rank(rank_file(job.run_dir, rank, "rendezvous"))
     return rank
 
@@ -234,17 +235,23 @@ def exec_cell(source, namespace, filename):
     `rank_io.Shown` when it has a richer view than text), and the figures left open are shown."""
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     tree = ast.parse(source, filename)
-    last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+    last = tree.body[-1] if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+    if last is not None:   # kept in the cell's own code, so that pdb steps onto it as onto any line
+        tree.body[-1] = ast.copy_location(ast.Assign([ast.Name(_LAST_VALUE, ast.Store())], last.value), last)
+        ast.fix_missing_locations(tree)
     try:
         exec(compile(tree, filename, "exec"), namespace)
         if last is None:
             return None
-        value = eval(compile(ast.Expression(last.value), filename, "eval"), namespace)
+        value = namespace.pop(_LAST_VALUE)
         if _ends_with_semicolon(source):   # as in IPython: a trailing `;` hides the value
             return None
         return rank_io.last_value(to_cpu(value))
     finally:
         rank_io.show_figures()
+
+
+_LAST_VALUE = "_ddp_helpers_last_value"
 
 
 def _ends_with_semicolon(source):
