@@ -15,7 +15,8 @@ screenshots/ folder: look at them, keep them out of the repository.
 Needs what tests/test_browser.py needs (Debian's chromium, the playwright package); it uses that
 file's JupyterLab server and notebook driver. Set DDP_HELPERS_CIFAR10 for notebooks 06 and 07.
 
-With --write-times, a notebook that ran to the end without an error output has its time written into
+With --write-times, a notebook that ran to the end without an error output (a cell tagged raises-exception
+must raise, and only it may) has its time written into
 notebooks/run_all_times.json, with the machine it was measured on; measure on an idle machine, then
 run scripts/stamp_times.py, which writes the times into the headers, the instructor's guide and the README.
 """
@@ -26,6 +27,8 @@ import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+
+import nbformat
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
@@ -85,19 +88,24 @@ def run_one(tb, lab, browser, name, out, args):
         state = nb.state()
         lines.append(f"- did not finish: {err}")
     seconds = time.monotonic() - start
-    errors = tb._error_outputs(state)
+    cells = nbformat.read(ROOT / "notebooks" / name, as_version=4).cells
+    expected = {i for i, c in enumerate(cells) if "raises-exception" in c.metadata.get("tags", [])}
+    errors = [e for e in tb._error_outputs(state) if e[0] not in expected]   # a tagged cell raises on purpose
+    silent = sorted(expected - {e[0] for e in tb._error_outputs(state)})
     unrun = [c["index"] for c in state["cells"] if c["count"] is None]
     stderr = [(c["index"], tb._text(o)[:200]) for c in state["cells"] for o in c["outputs"]
               if o["type"] == "stream" and "stderr" in str(o.get("name", "")) ]
     shots = screenshots(nb.page, out, name[:-len(".ipynb")], args.max_shots)
     lines += [f"- Run All took {seconds:.0f} s (restart included), {len(state['cells'])} code cells",
-              f"- error outputs: {errors or 'none'}",
+              f"- error outputs: {errors or 'none'}"
+              + (f" (and the raises-exception cells {sorted(expected)} raised, as tagged)" if expected else ""),
+              f"- raises-exception cells that did not raise: {silent or 'none'}",
               f"- cells left unrun: {unrun or 'none'}",
               f"- stderr outputs: {len(stderr)}" + "".join(f"\n  - cell {i}: {t!r}" for i, t in stderr[:5]),
               f"- console errors: {console[:5] or 'none'}",
               f"- pictures: {', '.join(s.name for s in shots)}", ""]
     nb.close()
-    clean = not errors and not unrun and not any(x.startswith("- did not finish") for x in lines)
+    clean = not errors and not silent and not unrun and not any(x.startswith("- did not finish") for x in lines)
     return lines, seconds, clean
 
 
