@@ -15,6 +15,7 @@ import textwrap
 import time
 
 import pytest
+import torch.distributed
 
 from conftest import REPO, seconds
 from ddp_helpers import launch, machine
@@ -23,6 +24,9 @@ from ddp_helpers.gpu_leases import GpusBusy
 
 A, B, C = "GPU-aaaaaaaa-0000", "GPU-bbbbbbbb-1111", "GPU-cccccccc-2222"
 OTHER_UID = 65534   # nobody
+# backend="nccl" is refused before any lease is taken where torch has no NCCL (the CPU wheels)
+needs_nccl_build = pytest.mark.skipif(not torch.distributed.is_nccl_available(),
+                                      reason="this torch is built without NCCL (a CPU wheel)")
 
 
 @pytest.fixture
@@ -65,6 +69,7 @@ class Holder:
         self.p.wait(timeout=seconds(20))
 
 
+@needs_nccl_build
 def test_a_second_process_is_told_at_once_naming_the_first(shared):
     first = Holder(2)
     try:
@@ -101,6 +106,7 @@ print(launch(wait_with_the_gpu, 1, backend="nccl", init=False, args=tuple(sys.ar
 """
 
 
+@needs_nccl_build
 def test_launches_in_two_processes_get_different_gpus_and_auto_falls_back_to_gloo(shared, tmp_path, capsys):
     ready, go = str(tmp_path / "ready"), str(tmp_path / "go")
     other = subprocess.Popen([sys.executable, "-c", LAUNCHER, ready, go], cwd=REPO, text=True,
@@ -144,6 +150,7 @@ def test_a_holder_killed_with_sigkill_releases_its_lease(shared, monkeypatch):
     assert os.listdir(shared) == []
 
 
+@needs_nccl_build
 def test_cuda_visible_devices_restricts_the_choice(shared, monkeypatch):
     monkeypatch.setenv(gpu_leases.FAKE_VAR, f"{A},{B},{C}")
     holder = Holder(1, env={"CUDA_VISIBLE_DEVICES": "2"})   # someone else's JupyterHub gave them GPU 2
@@ -267,6 +274,7 @@ def end_after(pid, seconds_):
         os.kill({pid}, signal.SIGTERM)""")])
 
 
+@needs_nccl_build
 def test_gpu_wait_waits_for_a_gpu_to_be_released(shared, monkeypatch):
     monkeypatch.setenv(gpu_leases.FAKE_VAR, A)
     holder = Holder(1)
@@ -281,6 +289,7 @@ def test_gpu_wait_waits_for_a_gpu_to_be_released(shared, monkeypatch):
         launch(print, 1, backend="nccl", gpu_wait=-1)
 
 
+@needs_nccl_build
 def test_the_default_wait_comes_from_the_environment(shared, monkeypatch):
     monkeypatch.setenv(gpu_leases.FAKE_VAR, A)
     holder = Holder(1)
@@ -294,6 +303,7 @@ def test_the_default_wait_comes_from_the_environment(shared, monkeypatch):
         launch(print, 1, backend="nccl")
 
 
+@needs_nccl_build
 def test_the_bench_command_line_says_who_holds_the_gpus_in_one_line(shared):
     holder = Holder(2)
     try:
@@ -307,6 +317,7 @@ def test_the_bench_command_line_says_who_holds_the_gpus_in_one_line(shared):
         holder.end()
 
 
+@needs_nccl_build
 def test_a_warm_pool_is_told_at_once_and_a_pool_that_fails_to_start_lets_go(shared, monkeypatch):
     from ddp_helpers.pool import Pool
     from ddp_helpers import WorkerError
