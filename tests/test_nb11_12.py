@@ -1,6 +1,7 @@
 """What notebooks 11 (torchrun, several nodes) and 12 (debugging) show, checked outside the notebooks:
 py-spy as an optional tool that reads a stuck rank's C++ frames, dist.breakpoint under torchrun with
-typed input, and why a notebook's ranks cannot be debugged with it; what 12 reads from the installed
+typed input, and why torch's own, which reads /dev/stdin, finds no terminal in a notebook's rank (there the
+course's replaces it); what 12 reads from the installed
 torch about a dead peer, and where its sources are cited."""
 import os
 import re
