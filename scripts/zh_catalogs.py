@@ -1,0 +1,129 @@
+"""The Chinese edition's translation catalogs: one gettext catalog (.po) per English notebook.
+
+    .venv/bin/python scripts/zh_catalogs.py extract   # make or update notebooks/zh/po/NN_*.po
+    .venv/bin/python scripts/zh_catalogs.py build     # write notebooks/zh/NN_*.ipynb from them
+    .venv/bin/python scripts/zh_catalogs.py status    # how many entries are translated, stale, missing
+
+The English notebooks are the source. Each markdown cell is one catalog entry: its context
+(msgctxt) is the cell's id, its message (msgid) the cell's English text, its translation (msgstr) the
+Chinese text. `extract` keeps every translation whose English text is unchanged; a changed cell keeps
+its old translation marked fuzzy (with the previous English text), so a translator sees what changed;
+an entry whose cell is gone is dropped. `build` copies each English notebook, code cells and their
+outputs unchanged, with each markdown cell's translation in place of its text; it refuses a catalog
+with a missing or fuzzy entry, naming the cell.
+"""
+import argparse
+import sys
+from pathlib import Path
+
+import nbformat
+import polib
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = ROOT / "notebooks"
+ZH = NOTEBOOKS / "zh"
+PO = ZH / "po"
+HEADER = {
+    "Project-Id-Version": "ddp-notebooks",
+    "Language": "zh_CN",
+    "MIME-Version": "1.0",
+    "Content-Type": "text/plain; charset=UTF-8",
+    "Content-Transfer-Encoding": "8bit",
+}
+
+
+def english_notebooks():
+    return sorted(p for p in NOTEBOOKS.glob("*.ipynb") if p.name[:2].isdigit() or p.name.startswith("A"))
+
+
+def catalog_path(notebook: Path) -> Path:
+    return PO / (notebook.stem + ".po")
+
+
+def markdown_cells(nb):
+    return [c for c in nb.cells if c.cell_type == "markdown"]
+
+
+def extract(notebook: Path) -> tuple[int, int, int]:
+    """Make or update the notebook's catalog; return (kept, stale, new) entry counts."""
+    nb = nbformat.read(notebook, as_version=4)
+    path = catalog_path(notebook)
+    old = {e.msgctxt: e for e in polib.pofile(str(path), wrapwidth=0)} if path.exists() else {}
+    po = polib.POFile(wrapwidth=0)
+    po.metadata = dict(HEADER)
+    kept = stale = new = 0
+    for cell in markdown_cells(nb):
+        entry = polib.POEntry(msgctxt=cell.id, msgid=cell.source, msgstr="")
+        before = old.get(cell.id)
+        if before is not None and before.msgstr:
+            entry.msgstr = before.msgstr
+            if before.msgid == cell.source and "fuzzy" not in before.flags:
+                kept += 1
+            else:
+                entry.flags.append("fuzzy")
+                entry.previous_msgid = before.previous_msgid or before.msgid
+                stale += 1
+        else:
+            new += 1
+        po.append(entry)
+    PO.mkdir(parents=True, exist_ok=True)
+    po.save(str(path))
+    return kept, stale, new
+
+
+def problems(notebook: Path) -> list[str]:
+    """Why the notebook's Chinese edition cannot be built: each markdown cell without a current translation."""
+    nb = nbformat.read(notebook, as_version=4)
+    path = catalog_path(notebook)
+    if not path.exists():
+        return [f"{notebook.name}: no catalog {path.relative_to(ROOT)} (run: scripts/zh_catalogs.py extract)"]
+    entries = {e.msgctxt: e for e in polib.pofile(str(path), wrapwidth=0)}
+    found = []
+    for index, cell in enumerate(nb.cells):
+        if cell.cell_type != "markdown":
+            continue
+        entry = entries.get(cell.id)
+        first = cell.source.strip().splitlines()[0][:60] if cell.source.strip() else ""
+        where = f"{notebook.name} cell {index} ({cell.id}, {first!r})"
+        if entry is None or not entry.msgstr:
+            found.append(f"{where}: not translated")
+        elif "fuzzy" in entry.flags or entry.msgid != cell.source:
+            found.append(f"{where}: the English text changed since it was translated")
+    return found
+
+
+def build(notebook: Path) -> Path:
+    """Write notebooks/zh/<name>.ipynb: the English notebook with each markdown cell translated."""
+    wrong = problems(notebook)
+    if wrong:
+        raise SystemExit("cannot build the Chinese edition:\n  " + "\n  ".join(wrong))
+    nb = nbformat.read(notebook, as_version=4)
+    entries = {e.msgctxt: e for e in polib.pofile(str(catalog_path(notebook)), wrapwidth=0)}
+    for cell in markdown_cells(nb):
+        cell.source = entries[cell.id].msgstr
+    nb.metadata["language_info"] = nb.metadata.get("language_info", {})
+    out = ZH / notebook.name
+    nbformat.write(nb, str(out))
+    return out
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("command", choices=["extract", "build", "status"])
+    parser.add_argument("notebooks", nargs="*", help="numbers, e.g. 00 06 (default: all)")
+    args = parser.parse_args(argv)
+    books = [p for p in english_notebooks() if not args.notebooks or p.name[:2] in args.notebooks]
+    for book in books:
+        if args.command == "extract":
+            kept, stale, new = extract(book)
+            print(f"{catalog_path(book).relative_to(ROOT)}: {kept} kept, {stale} stale, {new} new")
+        elif args.command == "build":
+            print(build(book).relative_to(ROOT))
+        else:
+            wrong = problems(book)
+            print(f"{book.name}: {'ready' if not wrong else f'{len(wrong)} to do'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
