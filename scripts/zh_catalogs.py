@@ -9,10 +9,11 @@ The English notebooks are the source. Each markdown cell is one catalog entry: i
 Chinese text. `extract` keeps every translation whose English text is unchanged; a changed cell keeps
 its old translation marked fuzzy (with the previous English text), so a translator sees what changed;
 an entry whose cell is gone is dropped. `build` copies each English notebook, code cells and their
-outputs unchanged, with each markdown cell's translation in place of its text; it refuses a catalog
-with a missing or fuzzy entry, naming the cell.
+outputs unchanged, with each markdown cell's translation in place of its text (its links to the repo's
+files made to work from notebooks/zh/); it refuses a catalog with a missing or fuzzy entry, naming the cell.
 """
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -92,18 +93,45 @@ def problems(notebook: Path) -> list[str]:
     return found
 
 
+LINK = re.compile(r"(\]\()([^)\s]+)(\))")
+
+
+def relink(text: str) -> str:
+    """A translation's relative links, made to work from notebooks/zh/: a link to a course notebook stays
+    (it opens the Chinese one beside it); a link to any other file of the repo (`../ddp_helpers/train.py`,
+    `glossary.md`) gets one more `../`, unless the translator already wrote the path from notebooks/zh/."""
+    def fix(match):
+        target = match.group(2)
+        path = target.split("#", 1)[0]
+        if not path or re.match(r"[a-z][a-z0-9+.-]*:", path) or path.startswith("/"):
+            return match.group(0)                 # an anchor in the page, a URL, an absolute path
+        if re.fullmatch(r"[0-9A][0-9]_[\w-]+\.ipynb", path) or (ZH / path).exists():
+            return match.group(0)
+        if (NOTEBOOKS / path).exists():
+            return match.group(1) + "../" + target + match.group(3)
+        return match.group(0)
+    return LINK.sub(fix, text)
+
+
+def translated(notebook: Path, translations: dict | None = None):
+    """The English notebook with each markdown cell's text replaced by its translation (cell id -> text;
+    by default the catalog's), its links made to work from notebooks/zh/."""
+    nb = nbformat.read(notebook, as_version=4)
+    if translations is None:
+        translations = {e.msgctxt: e.msgstr for e in polib.pofile(str(catalog_path(notebook)), wrapwidth=0)}
+    for cell in markdown_cells(nb):
+        cell.source = relink(translations[cell.id])
+    nb.metadata["language_info"] = nb.metadata.get("language_info", {})
+    return nb
+
+
 def build(notebook: Path) -> Path:
     """Write notebooks/zh/<name>.ipynb: the English notebook with each markdown cell translated."""
     wrong = problems(notebook)
     if wrong:
         raise SystemExit("cannot build the Chinese edition:\n  " + "\n  ".join(wrong))
-    nb = nbformat.read(notebook, as_version=4)
-    entries = {e.msgctxt: e for e in polib.pofile(str(catalog_path(notebook)), wrapwidth=0)}
-    for cell in markdown_cells(nb):
-        cell.source = entries[cell.id].msgstr
-    nb.metadata["language_info"] = nb.metadata.get("language_info", {})
     out = ZH / notebook.name
-    nbformat.write(nb, str(out))
+    nbformat.write(translated(notebook), str(out))
     return out
 
 
