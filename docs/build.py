@@ -3,6 +3,9 @@
     .venv/bin/pip install -r requirements-docs.txt
     .venv/bin/python docs/build.py            # then open docs/_build/html/index.html
 
+Two sites: the English one, and the Chinese one (from notebooks/zh/, README.zh.md) in _build/html/zh/;
+each page that both have links to its counterpart at the top (conf.py).
+
 Sphinx runs with warnings as errors (-W). The notebooks are not executed: their committed outputs
 are shown. The diagrams (Mermaid, as JupyterLab draws them) need mermaid.min.js, which the site
 serves itself, so no page fetches anything from the internet; it comes from the npm registry once
@@ -153,10 +156,15 @@ def main():
         print("docs: notice: no npm, so formulas are shown as their TeX source", file=sys.stderr)
     env = dict(os.environ, DOCS_MERMAID_JS=str(mermaid or ""), DOCS_MATHJAX=str(mathjax or ""))
     shutil.rmtree(OUT, ignore_errors=True)
-    done = subprocess.run([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-j", "auto", "-b", "html",
-                           "-d", str(DOCS / "_build" / "doctrees"), str(DOCS), str(OUT)], env=env)
-    if done.returncode != 0:
-        raise SystemExit(f"docs: Sphinx failed (exit {done.returncode}; warnings count as errors)")
+    # the English site, then the Chinese one (docs/_zh/, staged by conf.py) into its zh/ folder
+    (DOCS / "_zh").mkdir(exist_ok=True)     # Sphinx wants the folder before conf.py fills it
+    for lang, source, out in (("en", DOCS, OUT), ("zh", DOCS / "_zh", OUT / "zh")):
+        done = subprocess.run([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-j", "auto",
+                               "-b", "html", "-c", str(DOCS), "-d", str(DOCS / "_build" / f"doctrees-{lang}"),
+                               str(source), str(out)], env=dict(env, DOCS_LANG=lang))
+        if done.returncode != 0:
+            raise SystemExit(f"docs: Sphinx failed on the {lang} site (exit {done.returncode}; "
+                             f"warnings count as errors)")
     count, problems = check_links()
     if problems:
         raise SystemExit("docs: internal link check failed:\n  " + "\n  ".join(problems))

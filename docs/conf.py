@@ -1,4 +1,5 @@
 """Sphinx configuration of the course's site: `python docs/build.py` (see README, "The site")."""
+import os
 import sys
 from pathlib import Path
 
@@ -8,13 +9,20 @@ sys.path.insert(1, str(DOCS.parent))
 
 import stage  # noqa: E402
 
-stage.stage()   # notebooks (with their committed outputs), glossary, API page: see stage.py
+# Two sites from this one configuration (docs/build.py runs both): the English one from docs/, and the
+# Chinese one (DOCS_LANG=zh) from docs/_zh/ into _build/html/zh/. Each page links to its counterpart.
+CHINESE = os.environ.get("DOCS_LANG") == "zh"
+if CHINESE:
+    stage.stage_zh()   # notebooks/zh/ (built from the catalogs), the glossary, README.zh.md: see stage.py
+else:
+    stage.stage()      # notebooks (with their committed outputs), glossary, API page: see stage.py
 
 project = "Hands-on distributed PyTorch"
 author = "the course's authors"
 copyright = "the course's authors"
 extensions = ["myst_nb"]
-exclude_patterns = ["_build", "_files", "_vendor", "_static_gen", "_readme.md", "_project.md", "**.ipynb_checkpoints",
+exclude_patterns = ["_build", "_zh", "_files", "_vendor", "_static_gen", "_readme.md", "_project.md",
+                    "**.ipynb_checkpoints",
                     "Thumbs.db", ".DS_Store"]
 root_doc = "index"
 
@@ -35,6 +43,10 @@ suppress_warnings = []
 
 html_theme = "furo"
 html_title = "Hands-on distributed PyTorch"
+language = "en"
+if CHINESE:
+    html_title = "动手学分布式 PyTorch"
+    language = "zh_CN"          # the theme's words (搜索, 目录), <html lang="zh-CN">, the search's word splitting
 html_favicon = "favicon.svg"   # four ranks in a ring (browsers ask for one: without it, a 404 on every site)
 html_static_path = ["_static_gen", "_static"]
 html_css_files = ["course.css"]   # shell commands wrap, code and outputs scroll (_static/course.css)
@@ -50,5 +62,22 @@ def _mermaid_on_pages_that_draw(app, pagename, templatename, context, doctree):
         app.add_js_file("mermaid-init.js")
 
 
+COUNTERPART = ('<p class="counterpart" lang="{lang}"><a class="counterpart-link" href="{href}">{text}</a></p>\n')
+
+
+def _link_to_counterpart(app, pagename, templatename, context, doctree):
+    """A line at the top of each page that both sites have: the same page in the other language.
+    The Chinese site lies in zh/ of the English one, so the link is a relative one (build.py checks it)."""
+    if "body" not in context or pagename not in stage.zh_pages():
+        return
+    up = "../" * pagename.count("/")
+    if CHINESE:
+        line = COUNTERPART.format(lang="en", href=f"{up}../{pagename}.html", text="English version of this page")
+    else:
+        line = COUNTERPART.format(lang="zh-CN", href=f"{up}zh/{pagename}.html", text="本页中文版")
+    context["body"] = line + context["body"]
+
+
 def setup(app):
     app.connect("html-page-context", _mermaid_on_pages_that_draw)
+    app.connect("html-page-context", _link_to_counterpart)

@@ -17,6 +17,11 @@ the ones CI re-produces. What is copied into docs/ (all of it git-ignored):
 - docs/_files/...: files that the notebooks or the README link to outside notebooks/ (e.g. ../ddp_helpers/train.py),
   so the page links to a copy instead of a broken path.
 - docs/api.md: the API page, from ddp_helpers' docstrings (api_page.py).
+- docs/_zh/: the Chinese site's sources (stage_zh, for the second Sphinx run that build.py makes into
+  _build/html/zh/): notebooks/zh/NN_*.ipynb (built from the catalogs, transformed as above), the
+  bilingual glossary, the Chinese instructor's guide where there is one, and a landing page from
+  README.zh.md (its course part) with the Chinese table of contents. A link to an English-only page
+  becomes a plain link into the English site, which build.py's link check follows.
 - Mermaid diagrams (```mermaid fences, which JupyterLab draws) become <pre class="mermaid"> that the
   site's own copy of mermaid.min.js draws (build.py gets it, conf.py serves it); without that copy,
   their source is shown as text.
@@ -103,9 +108,12 @@ def strip_test_markers(nb):
             cell["source"] = "".join(kept)
 
 
-def copy_linked_files(text, source_dir=NOTEBOOKS, to_docs="../"):
+def copy_linked_files(text, source_dir=NOTEBOOKS, to_docs="../", staged=None, files=None):
     """Markdown links to repository files that are not pages point to copies under docs/_files/.
-    to_docs: the way from the page's folder to docs/."""
+    to_docs: the way from the page's folder to docs/ (for the Chinese site: to docs/_zh/);
+    staged, files: where notebooks/ and the other files are copied (the English site's by default)."""
+    staged, files = staged or STAGED, files or FILES
+
     def fix(match):
         target = match.group(2)
         if "://" in target or target.startswith(("mailto:", "/")):
@@ -117,11 +125,11 @@ def copy_linked_files(text, source_dir=NOTEBOOKS, to_docs="../"):
             rel = path.relative_to(ROOT)
         except ValueError:
             return match.group(0)
-        if rel.parts[0] == "notebooks":
-            dest = STAGED / Path(*rel.parts[1:])
+        if rel.parts[0] == "notebooks" and rel.parts[1] != "zh":
+            dest = staged / Path(*rel.parts[1:])
             new = str(Path(*rel.parts[1:]))
         else:
-            dest = FILES / rel
+            dest = files / rel
             new = to_docs + "_files/" + rel.as_posix()
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(path, dest)
@@ -162,19 +170,24 @@ def readme_anchors(text, project, to_docs):
                   lambda m: f"]({to_docs}{'project' if m.group(1) in in_project else 'index'}.md#{m.group(1)})", text)
 
 
+def stage_notebook(path, dest, fix_links):
+    """One notebook as a page: widgets to pictures, test markers out, links fixed, diagrams drawn."""
+    nb = json.loads(path.read_text(encoding="utf-8"))
+    replace_widgets(nb)
+    strip_test_markers(nb)
+    for cell in nb["cells"]:
+        if cell["cell_type"] == "markdown":
+            cell["source"] = mermaid_diagrams(fix_links("".join(cell["source"])))
+    dest.write_text(json.dumps(nb, indent=1, ensure_ascii=False), encoding="utf-8")
+
+
 def stage():
     for folder in (STAGED, FILES, STATIC):
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
     staged = []
     for path in course_notebooks():
-        nb = json.loads(path.read_text(encoding="utf-8"))
-        replace_widgets(nb)
-        strip_test_markers(nb)
-        for cell in nb["cells"]:
-            if cell["cell_type"] == "markdown":
-                cell["source"] = mermaid_diagrams(copy_linked_files("".join(cell["source"])))
-        (STAGED / path.name).write_text(json.dumps(nb, indent=1, ensure_ascii=False), encoding="utf-8")
+        stage_notebook(path, STAGED / path.name, copy_linked_files)
         staged.append(path.name)
     readme = copy_linked_files((ROOT / "README.md").read_text(encoding="utf-8"), source_dir=ROOT, to_docs="")
     course, project = split_readme(readme)
@@ -202,6 +215,111 @@ def stage():
             'mermaid.initialize({startOnLoad: true, theme: "neutral", securityLevel: "strict"});\n')
     from api_page import write_api_page
     write_api_page(DOCS / "api.md")
+    return staged
+
+
+# ------------------------------------------------------------------ the Chinese site
+ZH = DOCS / "_zh"                       # its sources; built into _build/html/zh/ with this conf.py
+ZH_NOTEBOOKS = NOTEBOOKS / "zh"
+ZH_README = ROOT / "README.zh.md"
+ZH_GUIDE = ZH_NOTEBOOKS / "instructors.md"
+PAGE_LINK = re.compile(r"\[([^\]\n]*)\]\(([^)\s#]+)(#[^)\s]*)?\)")
+ZH_INDEX = """{readme}
+
+```{{toctree}}
+:caption: 课程
+:maxdepth: 1
+:glob:
+
+notebooks/[0-9]*
+```
+
+```{{toctree}}
+:caption: 参考
+:maxdepth: 1
+
+{reference}
+```
+"""
+ZH_NO_README = "# 动手学分布式 PyTorch\n\n本课程的中文版。英文原版见 <a href=\"../index.html\">English</a>。\n"
+
+
+def zh_notebooks():
+    """The Chinese edition's notebooks (notebooks/zh/NN_*.ipynb, built from the catalogs)."""
+    return sorted(p for p in ZH_NOTEBOOKS.glob("*.ipynb") if NUMBERED.match(p.name))
+
+
+def zh_pages():
+    """The pages of the Chinese site, by page name (notebooks/00_welcome, ...): both sites have them."""
+    pages = {"index"} | {f"notebooks/{p.stem}" for p in zh_notebooks()} | {"notebooks/glossary"}
+    return pages | ({"notebooks/instructors"} if ZH_GUIDE.is_file() else set())
+
+
+def zh_links(text, source_dir, page_dir):
+    """Links of a Chinese page. source_dir: where its source lives in the repository; page_dir: its folder
+    in the Chinese site ('' or 'notebooks'). A link to a page the Chinese site has goes there; one to an
+    English-only page (README.md, the English guide) becomes an HTML link into the English site, one
+    folder up; files (code, pictures) are copied under docs/_zh/_files/."""
+    up = "../" * (page_dir.count("/") + 1 if page_dir else 0)
+    zh_here = {(ZH_NOTEBOOKS / f"{p.split('/', 1)[1]}.ipynb").resolve(): p
+               for p in zh_pages() if p.startswith("notebooks/") and p != "notebooks/glossary"}
+    zh_here[(NOTEBOOKS / "glossary.md").resolve()] = "notebooks/glossary"
+    if ZH_GUIDE.is_file():
+        zh_here[ZH_GUIDE.resolve()] = "notebooks/instructors"
+    zh_here[ZH_README.resolve()] = "index"
+
+    def fix(match):
+        label, target, anchor = match.group(1), match.group(2), match.group(3) or ""
+        if "://" in target or target.startswith(("mailto:", "/")):
+            return match.group(0)
+        path = (source_dir / target).resolve()
+        if path.suffix not in (".ipynb", ".md") or not path.is_file():
+            return match.group(0)
+        if path in zh_here:
+            page = zh_here[path]
+            return f"[{label}]({up}{page}{'.ipynb' if path.suffix == '.ipynb' else '.md'}{anchor})"
+        rel = path.relative_to(ROOT)
+        if rel == Path("README.md"):
+            english = "index.html"
+        elif rel.parts[0] == "notebooks" and len(rel.parts) == 2:
+            english = f"notebooks/{path.stem}.html"
+        else:
+            return match.group(0)            # Sphinx judges it
+        return f'<a href="{up}../{english}{html.escape(anchor)}">{label}</a>'
+
+    return PAGE_LINK.sub(fix, text)
+
+
+def stage_zh():
+    """docs/_zh/: the Chinese site's sources. Returns the staged names."""
+    if not zh_notebooks():
+        raise SystemExit("docs: notebooks/zh/ has no notebooks (scripts/zh_catalogs.py build makes them)")
+    shutil.rmtree(ZH, ignore_errors=True)
+    (ZH / "notebooks").mkdir(parents=True)
+    staged = []
+
+    def fix(source_dir, page_dir, to_docs):
+        return lambda text: copy_linked_files(zh_links(text, source_dir, page_dir), source_dir=source_dir,
+                                              to_docs=to_docs, staged=ZH / "notebooks", files=ZH / "_files")
+
+    for path in zh_notebooks():
+        stage_notebook(path, ZH / "notebooks" / path.name, fix(ZH_NOTEBOOKS, "notebooks", "../"))
+        staged.append(path.name)
+    glossary = fix(NOTEBOOKS, "notebooks", "../")((NOTEBOOKS / "glossary.md").read_text(encoding="utf-8"))
+    (ZH / "notebooks" / "glossary.md").write_text(mermaid_diagrams(glossary), encoding="utf-8")
+    reference = ["notebooks/glossary"]
+    if ZH_GUIDE.is_file():
+        guide = fix(ZH_NOTEBOOKS, "notebooks", "../")(ZH_GUIDE.read_text(encoding="utf-8"))
+        (ZH / "notebooks" / "instructors.md").write_text(mermaid_diagrams(guide), encoding="utf-8")
+        reference.insert(0, "notebooks/instructors")
+    if ZH_README.is_file():
+        readme = ZH_README.read_text(encoding="utf-8")
+        at = readme.find(README_SPLIT)          # the course part, where it marks one as the English does
+        readme = readme[:at] if at >= 0 else readme
+        readme = mermaid_diagrams(fix(ROOT, "", "")(readme))
+    else:
+        readme = ZH_NO_README
+    (ZH / "index.md").write_text(ZH_INDEX.format(readme=readme, reference="\n".join(reference)), encoding="utf-8")
     return staged
 
 
