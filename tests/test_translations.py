@@ -293,3 +293,30 @@ def test_the_chinese_notebooks_links_resolve(name):
     nb = nbformat.read(ZH / name, as_version=4)
     found = [(i, t) for i, c in enumerate(nb.cells) if c.cell_type == "markdown" for t in broken_links(c.source)]
     assert not found, f"notebooks/zh/{name}: links that lead nowhere: {found}"
+
+
+# ---- code cells work from notebooks/zh/ as from notebooks/ ---------------------------------------------
+
+UP_A_FOLDER = re.compile(r"""["']\.\.[/\\"']|%%writefile\s+\.\.|^\s*%\w+.*\s\.\./""", re.M)
+
+
+def _cells_up_a_folder(notebooks):
+    return [f"{p.name} cell {i}" for p in notebooks for i, c in enumerate(nbformat.read(p, as_version=4).cells)
+            if c.cell_type == "code" and UP_A_FOLDER.search(c.source)]
+
+
+def test_no_code_cell_names_a_file_relative_to_the_notebooks_folder():
+    """The Chinese notebooks' code is the English code, run from notebooks/zh/: a cell that names
+    `../examples/...` would miss the file there. ddp_helpers.paths names the course's files instead."""
+    found = _cells_up_a_folder(ENGLISH)
+    assert not found, f"code cells that name a path from notebooks/ (use ddp_helpers.paths): {found}"
+
+
+def test_the_examples_are_found_from_either_folder(monkeypatch):
+    from ddp_helpers import paths
+    for folder in (Path(REPO) / "notebooks", ZH):
+        monkeypatch.chdir(folder)
+        for name in ("ddp_minimal.py", "slurm_ddp.sbatch"):
+            assert os.path.isfile(paths.example(name)) and not os.path.isabs(paths.example(name))
+    monkeypatch.chdir(Path(REPO) / "notebooks")
+    assert paths.example("ddp_minimal.py") == os.path.join("..", "examples", "ddp_minimal.py")   # as printed in 06
