@@ -10,6 +10,10 @@
 
 tests/test_run_all_times.py fails when any of them disagrees with the table, so a new measurement
 or a new stated time is written everywhere at once by this script.
+
+The Chinese edition's catalog entry for that first cell follows (scripts/zh_catalogs.py restamp): its English
+text becomes the new one and its translation gets the new number, so the entry stays current, and the
+Chinese notebook is built again. A change it cannot carry over leaves the entry fuzzy, for a translator.
 """
 import json
 import re
@@ -17,6 +21,9 @@ import sys
 from pathlib import Path
 
 import nbformat
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import zh_catalogs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
@@ -73,9 +80,19 @@ def stamp_notebook(path: Path, line: str) -> bool:
     new = "\n".join(kept[:at + 1] + [line] + kept[at + 1:])
     if new == nb.cells[0].source:
         return False
-    nb.cells[0].source = new
+    old, nb.cells[0].source = nb.cells[0].source, new
     nbformat.write(nb, path)
+    stamp_translation(path, nb.cells[0].id, old, new)
     return True
+
+
+def stamp_translation(path: Path, cell_id: str, old: str, new: str) -> None:
+    """The Chinese edition follows the English first cell: its catalog entry, then its notebook."""
+    outcome = zh_catalogs.restamp(path, cell_id, old, new)
+    if outcome == "fuzzy":
+        print(f"{zh_catalogs.catalog_path(path).name}: the first cell's translation needs a translator (fuzzy)")
+    elif outcome == "updated" and (zh_catalogs.ZH / path.name).exists() and not zh_catalogs.problems(path):
+        zh_catalogs.build(path)
 
 
 def guide_table(table) -> str:

@@ -93,6 +93,60 @@ def problems(notebook: Path) -> list[str]:
     return found
 
 
+NUMBER = re.compile(r"(?<![\d.])\d+(?:\.\d+)?(?![\d.])")
+
+
+def _renumber(old_line: str, new_line: str, translation: str) -> str | None:
+    """The translated line with the numbers that changed between the English lines changed too; None where
+    the English changed in more than numbers, or a changed number is not found exactly once."""
+    if NUMBER.sub("#", old_line) != NUMBER.sub("#", new_line):
+        return None
+    pairs = list(zip(NUMBER.findall(old_line), NUMBER.findall(new_line)))
+    changed = {o: n for o, n in pairs if o != n}
+    kept = {o for o, n in pairs if o == n}
+    found = NUMBER.findall(translation)
+    if any(found.count(o) != 1 or o in kept or len({n for oo, n in pairs if oo == o}) > 1 for o in changed):
+        return None
+    return NUMBER.sub(lambda m: changed.get(m.group(), m.group()), translation)
+
+
+def restamp(notebook: Path, cell_id: str, old_text: str, new_text: str) -> str:
+    """A script rewrote a cell's English text (scripts/stamp_times.py: its "**Run All**" line): carry the change
+    into the catalog, so that the entry stays current. Each changed English line whose change is only in its
+    numbers changes the same numbers in the translation's line that starts alike (or, where none does, the
+    line at the same place). Returns "updated"; "fuzzy" where the change needs a translator (the entry is marked
+    as `extract` marks it); "untouched" where the entry was not current anyway."""
+    path = catalog_path(notebook)
+    if not path.exists():
+        return "untouched"
+    po = polib.pofile(str(path), wrapwidth=0)
+    entry = next((e for e in po if e.msgctxt == cell_id), None)
+    if entry is None or not entry.msgstr or "fuzzy" in entry.flags or entry.msgid != old_text:
+        return "untouched"
+    old_lines, new_lines, zh_lines = old_text.split("\n"), new_text.split("\n"), entry.msgstr.split("\n")
+    done = len(old_lines) == len(new_lines)
+    for at, (old, new) in enumerate(zip(old_lines, new_lines) if done else []):
+        if old == new:
+            continue
+        head = old.split(":")[0] if ":" in old else None
+        where = [i for i, z in enumerate(zh_lines) if head and z.startswith(head)]
+        if not where and len(zh_lines) == len(old_lines):
+            where = [at]
+        line = _renumber(old, new, zh_lines[where[0]]) if len(where) == 1 else None
+        if line is None:
+            done = False
+            break
+        zh_lines[where[0]] = line
+    entry.msgid = new_text
+    if done:
+        entry.msgstr = "\n".join(zh_lines)
+    else:
+        entry.flags.append("fuzzy")
+        entry.previous_msgid = old_text
+    po.save(str(path))
+    return "updated" if done else "fuzzy"
+
+
 LINK = re.compile(r"(\]\()([^)\s]+)(\))")
 
 

@@ -320,3 +320,47 @@ def test_the_examples_are_found_from_either_folder(monkeypatch):
             assert os.path.isfile(paths.example(name)) and not os.path.isabs(paths.example(name))
     monkeypatch.chdir(Path(REPO) / "notebooks")
     assert paths.example("ddp_minimal.py") == os.path.join("..", "examples", "ddp_minimal.py")   # as printed in 06
+
+
+# ---- a re-measured Run All time keeps the Chinese first cell current ------------------------------------
+
+def _stamped_sample(tmp_path, monkeypatch):
+    """A notebook with a translated first cell that states its Run All time, and its Chinese edition."""
+    import stamp_times
+    monkeypatch.setattr(zh_catalogs, "PO", tmp_path / "zh" / "po")
+    monkeypatch.setattr(zh_catalogs, "ZH", tmp_path / "zh")
+    table = {"machine": {"short": "a 2-core CPU"}}
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell("# 99 · Sample\n\n**Time**: about 30 minutes.\n"
+                                              + stamp_times.run_all_line(9.0, table)),
+                nbformat.v4.new_code_cell("print(1)")]
+    book = tmp_path / "99_sample.ipynb"
+    nbformat.write(nb, str(book))
+    zh_catalogs.extract(book)
+    po = polib.pofile(str(zh_catalogs.catalog_path(book)), wrapwidth=0)
+    po[0].msgstr = "# 99 · 示例\n\n**时间**：约 30 分钟。\n**Run All**：在 2 核 CPU 上约 10 秒，含重启内核。"
+    po.save()
+    zh_catalogs.build(book)
+    return stamp_times, table, book
+
+
+def test_a_new_run_all_time_is_written_into_the_translation_too(tmp_path, monkeypatch):
+    stamp_times, table, book = _stamped_sample(tmp_path, monkeypatch)
+    assert stamp_times.stamp_notebook(book, stamp_times.run_all_line(24.0, table))    # re-measured: 25 s
+    assert zh_catalogs.problems(book) == []                                            # still current
+    entry = polib.pofile(str(zh_catalogs.catalog_path(book)), wrapwidth=0)[0]
+    assert entry.msgid.endswith("**Run All**: about 25 s on a 2-core CPU, kernel restart included.")
+    assert entry.msgstr.splitlines()[-1] == "**Run All**：在 2 核 CPU 上约 25 秒，含重启内核。"
+    assert entry.msgstr.splitlines()[2] == "**时间**：约 30 分钟。"
+    chinese = nbformat.read(tmp_path / "zh" / book.name, as_version=4)                # built again
+    assert chinese.cells[0].source == entry.msgstr and chinese.cells[1].source == "print(1)"
+
+
+def test_a_change_beyond_the_numbers_leaves_the_translation_to_a_translator(tmp_path, monkeypatch):
+    stamp_times, table, book = _stamped_sample(tmp_path, monkeypatch)
+    before = nbformat.read(book, as_version=4).cells[0].source
+    assert stamp_times.stamp_notebook(book, stamp_times.run_all_line(9.0, {"machine": {"short": "a laptop"}}))
+    found = zh_catalogs.problems(book)
+    assert len(found) == 1 and "changed" in found[0], found
+    entry = polib.pofile(str(zh_catalogs.catalog_path(book)), wrapwidth=0)[0]
+    assert "fuzzy" in entry.flags and entry.previous_msgid == before and "约 10 秒" in entry.msgstr
