@@ -587,3 +587,71 @@ def test_formulas_are_drawn_by_the_sites_own_mathjax(browser, site):
         assert all(url.startswith(site) for url in loaded), [u for u in loaded if not u.startswith(site)]
     finally:
         page.close()
+
+
+# ------------------------------------------------------------------ the Chinese edition
+# Whether Chinese characters are drawn as glyphs, not as boxes: each Han character of the element's text
+# is drawn alone, in the element's own font, and the pictures compared. Without a CJK font every one of
+# them is the same empty box (the one a private-use character gets), so they would all look alike.
+HAN_GLYPHS = """([selector, most]) => {
+    const el = document.querySelector(selector);
+    if (!el) return {error: 'nothing matches ' + selector};
+    const han = [...new Set(el.innerText.match(/\\p{Script=Han}/gu) || [])].slice(0, most);
+    const style = getComputedStyle(el);
+    const canvas = document.createElement('canvas');
+    canvas.width = canvas.height = 48;
+    const ctx = canvas.getContext('2d', {willReadFrequently: true});
+    const draw = (ch) => {
+        ctx.clearRect(0, 0, 48, 48);
+        ctx.font = `32px ${style.fontFamily}`;
+        ctx.textBaseline = 'top';
+        ctx.fillText(ch, 4, 4);
+        return ctx.getImageData(0, 0, 48, 48).data.filter((_, i) => i % 4 === 3).join(',');
+    };
+    const box = draw('\\uE000');
+    const drawn = han.map(draw);
+    return {font: style.fontFamily, lang: document.documentElement.lang, han: han.join(''),
+            distinct: new Set(drawn).size, boxes: drawn.filter(d => d === box).length};
+}"""
+
+
+def _assert_han_drawn(page, selector, most=12):
+    got = page.evaluate(HAN_GLYPHS, [selector, most])
+    assert "error" not in got, got
+    assert len(got["han"]) >= 4, f"no Chinese text in {selector}: {got}"
+    assert got["boxes"] == 0 and got["distinct"] == len(got["han"]), (
+        f"Chinese characters drawn as boxes (no CJK font? Debian: apt-get install fonts-noto-cjk): {got}")
+    return got
+
+
+def test_chinese_site_pages_render_their_characters_and_link_to_the_english(browser, site):
+    page = browser.new_page()
+    try:
+        page.goto(f"{site}/zh/notebooks/04_gloo_vs_nccl.html", wait_until="load")
+        assert page.evaluate("() => document.documentElement.lang") == "zh-CN"
+        title = page.inner_text("article h1")
+        assert "Gloo" in title and re.search(r"[\u4e00-\u9fff]", title), title
+        _assert_han_drawn(page, "article")
+        assert "术语表" in page.inner_text("aside, nav, .sidebar-drawer"), "the Chinese site's navigation"
+        page.locator("a.counterpart-link").click()          # to the English page, and back
+        page.wait_for_load_state("load")
+        assert page.url == f"{site}/notebooks/04_gloo_vs_nccl.html", page.url
+        assert not re.search(r"[\u4e00-\u9fff]", page.inner_text("article h1"))
+        page.locator("a.counterpart-link").click()
+        page.wait_for_load_state("load")
+        assert page.url == f"{site}/zh/notebooks/04_gloo_vs_nccl.html", page.url
+        page.goto(f"{site}/index.html", wait_until="load")
+        page.locator("a.counterpart-link").click()
+        page.wait_for_load_state("load")
+        assert page.url == f"{site}/zh/index.html", page.url
+        _assert_han_drawn(page, "article")
+    finally:
+        page.close()
+
+
+def test_a_chinese_notebook_in_jupyterlab_renders_its_characters(open_notebook):
+    nb = open_notebook("notebooks/zh/00_welcome.ipynb")
+    nb.page.wait_for_selector(".jp-RenderedMarkdown h1", timeout=seconds(30) * 1000)
+    title = nb.page.inner_text(".jp-RenderedMarkdown h1")
+    assert title.startswith("00 · ") and re.search(r"[\u4e00-\u9fff]", title), title
+    _assert_han_drawn(nb.page, ".jp-MarkdownCell .jp-RenderedMarkdown")
