@@ -267,6 +267,8 @@ def zh_links(text, source_dir, page_dir):
     if ZH_GUIDE.is_file():
         zh_here[ZH_GUIDE.resolve()] = "notebooks/instructors"
     zh_here[ZH_README.resolve()] = "index"
+    _, project = split_readme((ROOT / "README.md").read_text(encoding="utf-8"))
+    project_anchors = {heading_anchor(h) for h in re.findall(r"^#{1,6} (.+)$", project, flags=re.M)}
 
     def fix(match):
         label, target, anchor = match.group(1), match.group(2), match.group(3) or ""
@@ -279,8 +281,8 @@ def zh_links(text, source_dir, page_dir):
             page = zh_here[path]
             return f"[{label}]({up}{page}{'.ipynb' if path.suffix == '.ipynb' else '.md'}{anchor})"
         rel = path.relative_to(ROOT)
-        if rel == Path("README.md"):
-            english = "index.html"
+        if rel == Path("README.md"):        # the landing page, or the project page where the heading is there
+            english = "project.html" if anchor[1:] in project_anchors else "index.html"
         elif rel.parts[0] == "notebooks" and len(rel.parts) == 2:
             english = f"notebooks/{path.stem}.html"
         else:

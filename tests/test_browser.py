@@ -3,7 +3,7 @@
 Needs Debian's Chromium and the playwright package (never `playwright install`, whose browser
 download is not reachable here):
 
-    apt-get install chromium fonts-noto-color-emoji
+    apt-get install chromium fonts-noto-color-emoji fonts-noto-cjk   # CJK: the Chinese edition
     .venv/bin/pip install -r requirements-docs.txt
 
 Without them every test here is skipped, with that reason. `.ci/run` installs both.
