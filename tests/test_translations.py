@@ -364,3 +364,21 @@ def test_a_change_beyond_the_numbers_leaves_the_translation_to_a_translator(tmp_
     assert len(found) == 1 and "changed" in found[0], found
     entry = polib.pofile(str(zh_catalogs.catalog_path(book)), wrapwidth=0)[0]
     assert "fuzzy" in entry.flags and entry.previous_msgid == before and "约 10 秒" in entry.msgstr
+
+
+# ---- the Chinese README ----------------------------------------------------------------------------------
+
+def test_the_chinese_readme_has_the_two_commands_the_map_and_the_links_both_ways():
+    english = (Path(REPO) / "README.md").read_text(encoding="utf-8")
+    chinese = (Path(REPO) / "README.zh.md").read_text(encoding="utf-8")
+    commands = [line for line in english.splitlines() if line.startswith("python3 -m venv .venv")]
+    assert len(commands) >= 2 and all(c in chinese.splitlines() for c in commands), \
+        "README.zh.md lacks the English README's commands"
+    assert "](README.zh.md)" in english.split("\n## ", 1)[0], "the English README links the Chinese one at its top"
+    assert "](README.md)" in chinese.split("\n## ", 1)[0], "README.zh.md links the English README at its top"
+    for name in NAMES:
+        assert f"](notebooks/zh/{name})" in chinese, f"README.zh.md's map lacks notebooks/zh/{name}"
+    broken = [t for t in LINK.findall(chinese) if not re.match(r"[a-z]+:|#", t)
+              and not (Path(REPO) / t.split("#", 1)[0]).exists()]
+    assert not broken, f"README.zh.md: links that lead nowhere: {broken}"
+    assert "fonts-noto-cjk" in chinese and "fonts-noto-cjk" in english
