@@ -44,6 +44,7 @@ WIDGET = "application/vnd.jupyter.widget-view+json"
 MERMAID = re.compile(r"^```mermaid[ \t]*\n(.*?)^```[ \t]*$", re.S | re.M)
 STATIC = DOCS / "_static_gen"
 NBVAL_COMMENT = re.compile(r"^\s*#\s*NBVAL_[A-Z_]+\s*$")
+PAGE_LINK = re.compile(r"\[([^\]\n]*)\]\(([^)\s#]+)(#[^)\s]*)?\)")   # [label](target#anchor)
 LINK = re.compile(r"(\]\()([^)\s#]+)((?:#[^)\s]*)?\))")
 WIDGET_NOTE = ("*In JupyterLab this cell shows a slider that needs a running kernel. "
                "{where} shows every step of it.*")
@@ -181,28 +182,49 @@ def stage_notebook(path, dest, fix_links):
     dest.write_text(json.dumps(nb, indent=1, ensure_ascii=False), encoding="utf-8")
 
 
+def to_chinese(text, source_dir, up):
+    """An English page's links to the Chinese edition (README.zh.md, notebooks/zh/NN_*.ipynb) become HTML
+    links into the Chinese site (zh/ of this one). up: the way from the page's folder to the site's root."""
+    def fix(match):
+        label, target, anchor = match.group(1), match.group(2), match.group(3) or ""
+        if "://" in target or target.startswith(("mailto:", "/")):
+            return match.group(0)
+        path = (source_dir / target).resolve()
+        if path == (ROOT / "README.zh.md").resolve():
+            page = "index"
+        elif path.parent == (NOTEBOOKS / "zh").resolve() and path.suffix == ".ipynb" and NUMBERED.match(path.name):
+            page = f"notebooks/{path.stem}"
+        else:
+            return match.group(0)
+        return f'<a href="{up}zh/{page}.html{html.escape(anchor)}">{label}</a>'
+
+    return PAGE_LINK.sub(fix, text)
+
+
 def stage():
     for folder in (STAGED, FILES, STATIC):
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
     staged = []
     for path in course_notebooks():
-        stage_notebook(path, STAGED / path.name, copy_linked_files)
+        stage_notebook(path, STAGED / path.name, lambda text: copy_linked_files(to_chinese(text, NOTEBOOKS, "../")))
         staged.append(path.name)
-    readme = copy_linked_files((ROOT / "README.md").read_text(encoding="utf-8"), source_dir=ROOT, to_docs="")
+    readme = to_chinese((ROOT / "README.md").read_text(encoding="utf-8"), ROOT, "")
+    readme = copy_linked_files(readme, source_dir=ROOT, to_docs="")
     course, project = split_readme(readme)
     (DOCS / "_readme.md").write_text(mermaid_diagrams(course), encoding="utf-8")
     (DOCS / "_project.md").write_text(mermaid_diagrams(project), encoding="utf-8")
     glossary = NOTEBOOKS / "glossary.md"
     if glossary.is_file():
-        text = mermaid_diagrams(copy_linked_files(glossary.read_text(encoding="utf-8")))
+        text = mermaid_diagrams(copy_linked_files(to_chinese(glossary.read_text(encoding="utf-8"), NOTEBOOKS, "../")))
         (STAGED / "glossary.md").write_text(text, encoding="utf-8")
         staged.append("glossary.md")
     else:
         raise SystemExit("docs: notebooks/glossary.md is missing (the site's glossary page)")
     guide = NOTEBOOKS / "instructors.md"          # the instructor's guide; its links to README sections
     if guide.is_file():                             # point at the landing page, which includes the README
-        text = readme_anchors(copy_linked_files(guide.read_text(encoding="utf-8")), project, "../")
+        text = to_chinese(guide.read_text(encoding="utf-8"), NOTEBOOKS, "../")
+        text = readme_anchors(copy_linked_files(text), project, "../")
         (STAGED / "instructors.md").write_text(mermaid_diagrams(text), encoding="utf-8")
         staged.append("instructors.md")
     mathjax = os.environ.get("DOCS_MATHJAX")
@@ -223,7 +245,6 @@ ZH = DOCS / "_zh"                       # its sources; built into _build/html/zh
 ZH_NOTEBOOKS = NOTEBOOKS / "zh"
 ZH_README = ROOT / "README.zh.md"
 ZH_GUIDE = ZH_NOTEBOOKS / "instructors.md"
-PAGE_LINK = re.compile(r"\[([^\]\n]*)\]\(([^)\s#]+)(#[^)\s]*)?\)")
 ZH_INDEX = """{readme}
 
 ```{{toctree}}
