@@ -79,5 +79,14 @@ def _link_to_counterpart(app, pagename, templatename, context, doctree):
 
 
 def setup(app):
+    if CHINESE:
+        # Sphinx's Chinese search (9.0) stems Latin words with the English stemmer, but its language_data.js
+        # asks for a ChineseStemmer that no script defines: the search page stopped with an error.
+        from sphinx.search.zh import SearchChinese
+
+        class _SearchChinese(SearchChinese):
+            language_name = "English"     # names the stemmer language_data.js takes: EnglishStemmer
+
+        app.add_search_language(_SearchChinese)
     app.connect("html-page-context", _mermaid_on_pages_that_draw)
     app.connect("html-page-context", _link_to_counterpart)
