@@ -655,3 +655,28 @@ def test_a_chinese_notebook_in_jupyterlab_renders_its_characters(open_notebook):
     title = nb.page.inner_text(".jp-RenderedMarkdown h1")
     assert title.startswith("00 · ") and re.search(r"[\u4e00-\u9fff]", title), title
     _assert_han_drawn(nb.page, ".jp-MarkdownCell .jp-RenderedMarkdown")
+
+
+def test_the_glyph_check_sees_boxes_where_no_cjk_font_is_installed(browser, site, tmp_path):
+    # The check above must fail on a machine without a CJK font: the same Chinese page, in a Chromium
+    # whose fontconfig sees only the folders that hold no CJK font, has its characters drawn as boxes.
+    fc_list = shutil.which("fc-list")
+    if not fc_list:
+        pytest.skip("no fc-list (fontconfig) to build a font set without CJK")
+    fonts = subprocess.run([fc_list, "--format", "%{file}\t%{family}\n"], capture_output=True, text=True,
+                           check=True).stdout.splitlines()
+    cjk_dirs = {str(Path(f).parent) for f, _, family in (line.partition("\t") for line in fonts) if "CJK" in family}
+    dirs = sorted({str(Path(line.partition("\t")[0]).parent) for line in fonts} - cjk_dirs)
+    conf = tmp_path / "fonts.conf"
+    conf.write_text('<?xml version="1.0"?>\n<!DOCTYPE fontconfig SYSTEM "fonts.dtd">\n<fontconfig>\n'
+                    + "".join(f"  <dir>{d}</dir>\n" for d in dirs)
+                    + f"  <cachedir>{tmp_path / 'cache'}</cachedir>\n</fontconfig>\n")
+    no_cjk = browser.browser_type.launch(executable_path=CHROMIUM, args=["--no-sandbox"],
+                                         env=dict(os.environ, FONTCONFIG_FILE=str(conf)))
+    try:
+        page = no_cjk.new_page()
+        page.goto(f"{site}/zh/notebooks/04_gloo_vs_nccl.html", wait_until="load")
+        with pytest.raises(AssertionError, match="drawn as boxes"):
+            _assert_han_drawn(page, "article")
+    finally:
+        no_cjk.close()
