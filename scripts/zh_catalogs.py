@@ -11,7 +11,14 @@ its old translation marked fuzzy (with the previous English text), so a translat
 an entry whose cell is gone is dropped. `build` copies each English notebook, code cells and their
 outputs unchanged, with each markdown cell's translation in place of its text (its links to the repo's
 files made to work from notebooks/zh/); it refuses a catalog with a missing or fuzzy entry, naming the cell.
+
+The instructor's guide (notebooks/instructors.md) has a catalog too, notebooks/zh/po/instructors.po: the file
+split into blocks on blank lines (a paragraph, a heading, a list, a table), each block one entry keyed by its
+English text (msgid; msgctxt only tells identical blocks apart). The Run All table between the "run-all-times"
+markers is no entry: `build` copies it from the English as it is, so re-measured times never make the
+translation stale. `build` writes notebooks/zh/instructors.md (its links made to work from there, as above).
 """
+import difflib
 import argparse
 import re
 import sys
@@ -189,12 +196,139 @@ def build(notebook: Path) -> Path:
     return out
 
 
+GUIDE = NOTEBOOKS / "instructors.md"
+GUIDE_PO = PO / "instructors.po"
+GUIDE_ZH = ZH / "instructors.md"
+TIMES_BEGIN, TIMES_END = "<!-- run-all-times: begin", "<!-- run-all-times: end -->"
+BLANK = re.compile(r"(\n(?:[ \t]*\n)+)")
+
+
+def guide_parts(text: str) -> list[tuple[str, str]]:
+    """The guide as (kind, text) parts, in order: "block" (a paragraph, heading, list or table: one catalog
+    entry), "gap" (the blank lines between blocks) and "times" (the run-all-times markers and all between)."""
+    begin = text.find(TIMES_BEGIN)
+    end = text.find(TIMES_END, begin)
+    if begin < 0 or end < 0:
+        raise SystemExit(f"{GUIDE.name}: no {TIMES_BEGIN} ... {TIMES_END} table")
+    end += len(TIMES_END)
+
+    def split(chunk):
+        return [("gap" if i % 2 else "block", piece) for i, piece in enumerate(BLANK.split(chunk)) if piece]
+    return split(text[:begin]) + [("times", text[begin:end])] + split(text[end:])
+
+
+def guide_entries(text: str) -> list[tuple[str | None, str]]:
+    """(msgctxt, msgid) of each block: msgctxt None, or "2", "3"... for the second, third... identical block."""
+    seen: dict[str, int] = {}
+    found = []
+    for kind, block in guide_parts(text):
+        if kind == "block":
+            seen[block] = seen.get(block, 0) + 1
+            found.append((None if seen[block] == 1 else str(seen[block]), block))
+    return found
+
+
+def _guide_catalog(path: Path):
+    return {(e.msgctxt, e.msgid): e for e in polib.pofile(str(path), wrapwidth=0)} if path.exists() else {}
+
+
+def extract_guide(guide: Path = None, path: Path = None) -> tuple[int, int, int]:
+    """Make or update the guide's catalog; return (kept, stale, new) entry counts. A block whose English
+    changed keeps the translation of the most similar old block that no longer exists, marked fuzzy."""
+    guide, path = guide or GUIDE, path or GUIDE_PO
+    entries = guide_entries(guide.read_text(encoding="utf-8"))
+    old = _guide_catalog(path)
+    gone = [e for key, e in old.items() if key not in set(entries) and e.msgstr]
+    po = polib.POFile(wrapwidth=0)
+    po.metadata = dict(HEADER)
+    kept = stale = new = 0
+    for ctxt, block in entries:
+        entry = polib.POEntry(msgctxt=ctxt, msgid=block, msgstr="")
+        before = old.get((ctxt, block))
+        if before is not None and before.msgstr and "fuzzy" not in before.flags:
+            entry.msgstr = before.msgstr
+            kept += 1
+        else:
+            if before is None or not before.msgstr:
+                near = difflib.get_close_matches(block, [e.msgid for e in gone], n=1, cutoff=0.5)
+                before = next((e for e in gone if near and e.msgid == near[0]), None)
+                if before is not None:
+                    gone.remove(before)
+            if before is not None and before.msgstr:
+                entry.msgstr = before.msgstr
+                entry.flags.append("fuzzy")
+                entry.previous_msgid = before.previous_msgid or before.msgid
+                stale += 1
+            else:
+                new += 1
+        po.append(entry)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    po.save(str(path))
+    return kept, stale, new
+
+
+def guide_problems(guide: Path = None, path: Path = None) -> list[str]:
+    """Why the guide's Chinese edition cannot be built: each block without a current translation, named."""
+    guide, path = guide or GUIDE, path or GUIDE_PO
+    if not path.exists():
+        return [f"{guide.name}: no catalog {path.name} (run: scripts/zh_catalogs.py extract)"]
+    catalog = _guide_catalog(path)
+    entries = guide_entries(guide.read_text(encoding="utf-8"))
+    others = [e.msgid for key, e in catalog.items() if key not in set(entries) and e.msgstr]
+    found = []
+    for index, (ctxt, block) in enumerate(entries):
+        entry = catalog.get((ctxt, block))
+        where = f"{guide.name} block {index} ({block.splitlines()[0][:60]!r})"
+        if entry is not None and entry.msgstr and "fuzzy" not in entry.flags:
+            continue
+        if (entry is not None and entry.msgstr) or difflib.get_close_matches(block, others, n=1, cutoff=0.5):
+            found.append(f"{where}: the English text changed since it was translated")
+        else:
+            found.append(f"{where}: not translated")
+    return found
+
+
+def translated_guide(guide: Path = None, path: Path = None) -> str:
+    """The guide in Chinese: each block's translation (its links made to work from notebooks/zh/), the
+    blank lines between blocks and the run-all-times table as the English has them."""
+    guide, path = guide or GUIDE, path or GUIDE_PO
+    catalog = _guide_catalog(path)
+    seen: dict[str, int] = {}
+    out = []
+    for kind, text in guide_parts(guide.read_text(encoding="utf-8")):
+        if kind == "block":
+            seen[text] = seen.get(text, 0) + 1
+            text = relink(catalog[(None if seen[text] == 1 else str(seen[text]), text)].msgstr)
+        out.append(text)
+    return "".join(out)
+
+
+def build_guide(guide: Path = None, path: Path = None, out: Path = None) -> Path:
+    """Write notebooks/zh/instructors.md from the guide and its catalog."""
+    wrong = guide_problems(guide, path)
+    if wrong:
+        raise SystemExit("cannot build the Chinese instructor's guide:\n  " + "\n  ".join(wrong))
+    out = out or GUIDE_ZH
+    out.write_text(translated_guide(guide, path), encoding="utf-8")
+    return out
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("command", choices=["extract", "build", "status"])
-    parser.add_argument("notebooks", nargs="*", help="numbers, e.g. 00 06 (default: all)")
+    parser.add_argument("notebooks", nargs="*",
+                        help="numbers, e.g. 00 06, or `instructors` for the guide (default: all and the guide)")
     args = parser.parse_args(argv)
     books = [p for p in english_notebooks() if not args.notebooks or p.name[:2] in args.notebooks]
+    if not args.notebooks or "instructors" in args.notebooks:
+        if args.command == "extract":
+            kept, stale, new = extract_guide()
+            print(f"{GUIDE_PO.relative_to(ROOT)}: {kept} kept, {stale} stale, {new} new")
+        elif args.command == "build":
+            print(build_guide().relative_to(ROOT))
+        else:
+            wrong = guide_problems()
+            print(f"{GUIDE.name}: {'ready' if not wrong else f'{len(wrong)} to do'}")
     for book in books:
         if args.command == "extract":
             kept, stale, new = extract(book)
