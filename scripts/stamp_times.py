@@ -138,6 +138,8 @@ def main():
     if new_guide != guide:
         GUIDE.write_text(new_guide, encoding="utf-8")
         changed.append(GUIDE.name)
+        if zh_catalogs.GUIDE_ZH.exists() and not zh_catalogs.guide_problems():
+            zh_catalogs.build_guide()                 # the Chinese guide copies the new table as it is
     readme = README.read_text(encoding="utf-8")
     new_readme = stamp_readme(readme, table)
     if new_readme != readme:

@@ -200,7 +200,7 @@ GUIDE = NOTEBOOKS / "instructors.md"
 GUIDE_PO = PO / "instructors.po"
 GUIDE_ZH = ZH / "instructors.md"
 TIMES_BEGIN, TIMES_END = "<!-- run-all-times: begin", "<!-- run-all-times: end -->"
-BLANK = re.compile(r"(\n(?:[ \t]*\n)+)")
+BLANK = re.compile(r"(\n(?:[ \t]*\n)+|\n+\Z)")
 
 
 def guide_parts(text: str) -> list[tuple[str, str]]:

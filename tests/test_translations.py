@@ -382,3 +382,87 @@ def test_the_chinese_readme_has_the_two_commands_the_map_and_the_links_both_ways
               and not (Path(REPO) / t.split("#", 1)[0]).exists()]
     assert not broken, f"README.zh.md: links that lead nowhere: {broken}"
     assert "fonts-noto-cjk" in chinese and "fonts-noto-cjk" in english
+
+
+# ---- the instructor's guide (notebooks/instructors.md) in Chinese ------------------------------------
+
+GUIDE_ZH = ZH / "instructors.md"
+TIMES = re.compile(r"<!-- run-all-times: begin.*?<!-- run-all-times: end -->", re.S)
+SAMPLE_GUIDE = """# For instructors
+
+Each notebook is one lesson.
+
+| time | notebook |
+| --- | --- |
+| 10 min | [00](00_welcome.ipynb) |
+
+<!-- run-all-times: begin (scripts/stamp_times.py writes this table) -->
+
+| notebook | Run All |
+| --- | --- |
+| [00](00_welcome.ipynb) | 10 s |
+
+<!-- run-all-times: end -->
+
+Each notebook is one lesson.
+
+- **A mistake.** Its cure.
+"""
+
+
+def test_every_block_of_the_guide_has_a_current_translation():
+    found = zh_catalogs.guide_problems()
+    assert not found, f"{len(found)} blocks of notebooks/instructors.md without a current translation:\n" + \
+        "\n".join(found[:20])
+
+
+def test_a_changed_block_of_the_guide_is_named_and_new_times_are_not(tmp_path):
+    guide, po_path = tmp_path / "instructors.md", tmp_path / "instructors.po"
+    guide.write_text(SAMPLE_GUIDE, encoding="utf-8")
+    assert zh_catalogs.extract_guide(guide, po_path) == (0, 0, 5)   # 5 blocks; the times table is none
+    po = polib.pofile(str(po_path), wrapwidth=0)
+    assert [e.msgctxt for e in po] == [None, None, None, "2", None]  # identical blocks told apart
+    assert all("run-all-times" not in e.msgid and "10 s" not in e.msgid for e in po)
+    zh = ["# 讲师指南", "每个 notebook 是一节课。",
+          "| 时长 | notebook |\n| --- | --- |\n| 10 min | [00](00_welcome.ipynb) |",
+          "每个 notebook 都是一节课。", "- **一个错误。** 改正方法。"]
+    for entry, text in zip(po, zh):
+        entry.msgstr = text
+    po.save()
+    assert zh_catalogs.guide_problems(guide, po_path) == []
+    built = zh_catalogs.translated_guide(guide, po_path)
+    assert TIMES.search(built).group() == TIMES.search(SAMPLE_GUIDE).group() and "每个 notebook 都是一节课。" in built
+    guide.write_text(SAMPLE_GUIDE.replace("| 10 s |", "| 25 s |"), encoding="utf-8")   # re-measured
+    assert zh_catalogs.guide_problems(guide, po_path) == []
+    assert "| 25 s |" in zh_catalogs.translated_guide(guide, po_path)
+    guide.write_text(SAMPLE_GUIDE.replace("Its cure.", "Its cure, and why."), encoding="utf-8")
+    found = zh_catalogs.guide_problems(guide, po_path)
+    assert len(found) == 1 and "block 4" in found[0] and "A mistake" in found[0] and "changed" in found[0], found
+    with pytest.raises(SystemExit, match="block 4"):
+        zh_catalogs.build_guide(guide, po_path, tmp_path / "out.md")
+    assert zh_catalogs.extract_guide(guide, po_path) == (4, 1, 0)   # kept fuzzy, with the old English
+    entry = polib.pofile(str(po_path), wrapwidth=0)[4]
+    assert "fuzzy" in entry.flags and entry.previous_msgid.endswith("Its cure.") and entry.msgstr == zh[4]
+    assert len(zh_catalogs.guide_problems(guide, po_path)) == 1
+
+
+def test_the_committed_chinese_guide_is_what_build_makes():
+    assert GUIDE_ZH.exists(), "notebooks/zh/instructors.md is missing (run: scripts/zh_catalogs.py build instructors)"
+    assert GUIDE_ZH.read_text(encoding="utf-8") == zh_catalogs.translated_guide(), \
+        "notebooks/zh/instructors.md differs from what `scripts/zh_catalogs.py build instructors` makes"
+
+
+def test_the_chinese_guides_times_table_is_the_english_one():
+    english = TIMES.findall((Path(REPO) / "notebooks" / "instructors.md").read_text(encoding="utf-8"))
+    chinese = TIMES.findall(GUIDE_ZH.read_text(encoding="utf-8"))
+    assert len(english) == 1 and chinese == english, "the Chinese guide's Run All table is not the English one"
+
+
+def test_the_chinese_guides_links_resolve():
+    found = broken_links(GUIDE_ZH.read_text(encoding="utf-8"))
+    assert not found, f"notebooks/zh/instructors.md: links that lead nowhere: {found}"
+
+
+def test_the_chinese_readme_links_the_chinese_guide():
+    chinese = (Path(REPO) / "README.zh.md").read_text(encoding="utf-8")
+    assert "](notebooks/zh/instructors.md)" in chinese, "README.zh.md does not link notebooks/zh/instructors.md"
