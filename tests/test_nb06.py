@@ -18,8 +18,10 @@ def _cells():
 
 
 def test_the_notebook_writes_the_committed_script():
-    magic = "%%writefile ../examples/ddp_minimal.py\n"
-    written = [c.source for c in _cells() if c.cell_type == "code" and c.source.startswith(magic)]
+    magic = "%%writefile {minimal_script}\n"    # examples/ddp_minimal.py, from the notebook's folder
+    sources = [c.source for c in _cells() if c.cell_type == "code"]
+    assert any('minimal_script = paths.example("ddp_minimal.py")' in s for s in sources)
+    written = [s for s in sources if s.startswith(magic)]
     assert len(written) == 1, "one cell writes examples/ddp_minimal.py"
     with open(SCRIPT) as f:
         committed = f.read()
@@ -33,7 +35,7 @@ def test_the_notebook_writes_the_committed_script():
 
 def test_the_notebook_runs_the_script_under_torchrun():
     sources = [c.source for c in _cells() if c.cell_type == "code"]
-    assert any("run_nodes([\"../examples/ddp_minimal.py\"" in s for s in sources)
+    assert any("run_nodes([minimal_script, " in s for s in sources)
 
 
 def test_no_rank_waits_forever_in_the_text():
