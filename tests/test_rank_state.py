@@ -77,6 +77,7 @@ def test_a_rank_seeds_its_gpus_without_starting_cuda():
 
 
 def cuda_seeds():
+    torch.cuda.init()   # the seed waits for CUDA to start (torch 2.11 makes the generators only then)
     return [torch.cuda.default_generators[d].initial_seed() for d in range(torch.cuda.device_count())]
 
 
