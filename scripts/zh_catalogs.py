@@ -52,6 +52,20 @@ def markdown_cells(nb):
     return [c for c in nb.cells if c.cell_type == "markdown"]
 
 
+def carry_over(entry, before) -> str:
+    """Give `entry` the translation of `before` (an older entry, or None): "kept" when its English is
+    the same and it was current, "stale" (marked fuzzy, with the previous English) when not, "new"
+    when there is none."""
+    if before is None or not before.msgstr:
+        return "new"
+    entry.msgstr = before.msgstr
+    if before.msgid == entry.msgid and "fuzzy" not in before.flags:
+        return "kept"
+    entry.flags.append("fuzzy")
+    entry.previous_msgid = before.previous_msgid or before.msgid
+    return "stale"
+
+
 def extract(notebook: Path) -> tuple[int, int, int]:
     """Make or update the notebook's catalog; return (kept, stale, new) entry counts."""
     nb = nbformat.read(notebook, as_version=4)
@@ -59,24 +73,14 @@ def extract(notebook: Path) -> tuple[int, int, int]:
     old = {e.msgctxt: e for e in polib.pofile(str(path), wrapwidth=0)} if path.exists() else {}
     po = polib.POFile(wrapwidth=0)
     po.metadata = dict(HEADER)
-    kept = stale = new = 0
+    counts = {"kept": 0, "stale": 0, "new": 0}
     for cell in markdown_cells(nb):
         entry = polib.POEntry(msgctxt=cell.id, msgid=cell.source, msgstr="")
-        before = old.get(cell.id)
-        if before is not None and before.msgstr:
-            entry.msgstr = before.msgstr
-            if before.msgid == cell.source and "fuzzy" not in before.flags:
-                kept += 1
-            else:
-                entry.flags.append("fuzzy")
-                entry.previous_msgid = before.previous_msgid or before.msgid
-                stale += 1
-        else:
-            new += 1
+        counts[carry_over(entry, old.get(cell.id))] += 1
         po.append(entry)
     PO.mkdir(parents=True, exist_ok=True)
     po.save(str(path))
-    return kept, stale, new
+    return counts["kept"], counts["stale"], counts["new"]
 
 
 def problems(notebook: Path) -> list[str]:
@@ -241,30 +245,20 @@ def extract_guide(guide: Path = None, path: Path = None) -> tuple[int, int, int]
     gone = [e for key, e in old.items() if key not in set(entries) and e.msgstr]
     po = polib.POFile(wrapwidth=0)
     po.metadata = dict(HEADER)
-    kept = stale = new = 0
+    counts = {"kept": 0, "stale": 0, "new": 0}
     for ctxt, block in entries:
         entry = polib.POEntry(msgctxt=ctxt, msgid=block, msgstr="")
         before = old.get((ctxt, block))
-        if before is not None and before.msgstr and "fuzzy" not in before.flags:
-            entry.msgstr = before.msgstr
-            kept += 1
-        else:
-            if before is None or not before.msgstr:
-                near = difflib.get_close_matches(block, [e.msgid for e in gone], n=1, cutoff=0.5)
-                before = next((e for e in gone if near and e.msgid == near[0]), None)
-                if before is not None:
-                    gone.remove(before)
-            if before is not None and before.msgstr:
-                entry.msgstr = before.msgstr
-                entry.flags.append("fuzzy")
-                entry.previous_msgid = before.previous_msgid or before.msgid
-                stale += 1
-            else:
-                new += 1
+        if before is None or not before.msgstr:
+            near = difflib.get_close_matches(block, [e.msgid for e in gone], n=1, cutoff=0.5)
+            before = next((e for e in gone if near and e.msgid == near[0]), None)
+            if before is not None:
+                gone.remove(before)
+        counts[carry_over(entry, before)] += 1
         po.append(entry)
     path.parent.mkdir(parents=True, exist_ok=True)
     po.save(str(path))
-    return kept, stale, new
+    return counts["kept"], counts["stale"], counts["new"]
 
 
 def guide_problems(guide: Path = None, path: Path = None) -> list[str]:
