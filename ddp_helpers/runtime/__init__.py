@@ -9,8 +9,9 @@ The faces a notebook uses stay at the top of the package (`launcher`, `pool`, `m
   answering the requests of `protocol`.
 - `cells` is what travels to the ranks and how their values come back; `rank_io` and
   `rank_backend` are a rank's side of rich output and input; `rank_views` the kernel's tabs.
-- `forkserver` (and `forkserver_ready`) is the process every rank is forked from; `private_net` the
-  network of the ranks' own; `store_host` their rendezvous store; `run_dirs` the run folders.
+- `forkserver` (and `forkserver_ready`) is the process every rank is forked from; `bytecode_cache`
+  where it keeps compiled bytecode in a container; `private_net` the network of the ranks' own;
+  `store_host` their rendezvous store; `run_dirs` the run folders.
 - `processes`: whether a process is alive, and ending a process with everything it started.
 - `rank_pdb` is a rank's pdb (breakpoints, post-mortem); `debug_session` the kernel's side of its prompt.
 """

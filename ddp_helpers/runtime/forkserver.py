@@ -60,10 +60,13 @@ EARLY_ENV_VAR = "DDP_HELPERS_EARLY_FORKSERVER"
 _IN_SERVER = "DDP_HELPERS_IN_FORKSERVER"
 
 NETWORK = "not the fork server"   # in the fork server: None if its ranks have a network of their own, else why not
+BYTECODE_CACHE = None             # in the fork server: the private bytecode folder it uses (bytecode_cache), if any
 
 if os.environ.get(_IN_SERVER):   # this is the fork server, importing PRELOAD; forkserver_ready undoes both
     from . import private_net
     NETWORK = private_net.enter()   # first, while this process has one thread: see private_net
+    from . import bytecode_cache
+    BYTECODE_CACHE = bytecode_cache.use()   # before torch: compiled once per machine, not per server
     gc.disable()
     signal.signal(signal.SIGINT, signal.SIG_IGN)   # the Interrupt button (sent to the kernel's process group)
                                                    # is for the cell: the server ignores it once it serves

@@ -1,0 +1,80 @@
+"""A private cache of compiled bytecode for the fork server, where Python cannot keep it beside the sources.
+
+Python compiles each module it imports and normally keeps the result in a `__pycache__` folder beside
+the source, so that the next process only reads it. Many container images set
+`PYTHONDONTWRITEBYTECODE=1`, or install packages read-only, and ship torch without those files: then
+every new Python process compiles torch's thousands of modules again (seconds on a GPU machine's image,
+the larger part of `import torch`). The fork server then keeps what it compiles under
+`~/.cache/ddp_helpers/pycache/` (Python's `sys.pycache_prefix`, readable by this user alone), and
+the next fork server on this machine, in any kernel of this user, reads it instead of compiling.
+
+Used only where it helps: when torch's own bytecode is missing beside its source and Python may not
+write it there. `DDP_HELPERS_BYTECODE_CACHE` says otherwise: `0` never, `1` always (in the default
+folder), or a folder to use always. A `PYTHONPYCACHEPREFIX` (or `-X pycache_prefix`) of the learner's own
+is left alone. A folder that is not this user's alone (another owner, or group or others may write or
+read it) is not used: bytecode there would run in every rank.
+"""
+import importlib.util
+import os
+import stat
+import sys
+
+ENV_VAR = "DDP_HELPERS_BYTECODE_CACHE"
+
+
+def default_folder() -> str:
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return os.path.join(cache, "ddp_helpers", "pycache")
+
+
+def needed(module: str = "torch") -> bool:
+    """Would this process compile `module` from source, and fail to keep the result? True when its
+    bytecode is missing beside its source and Python may not write it there (PYTHONDONTWRITEBYTECODE,
+    or a folder it cannot write)."""
+    if sys.pycache_prefix:                      # where this Python keeps bytecode is set already
+        return False
+    try:
+        spec = importlib.util.find_spec(module)  # finds, does not import
+    except (ImportError, ValueError):
+        return False
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        return False
+    compiled = importlib.util.cache_from_source(spec.origin)
+    if os.path.exists(compiled):
+        return False
+    folder = os.path.dirname(compiled)          # __pycache__, which Python makes if missing
+    writable = os.access(folder if os.path.isdir(folder) else os.path.dirname(folder), os.W_OK)
+    return sys.dont_write_bytecode or not writable
+
+
+def private_folder(path: str) -> str | None:
+    """`path`, made if missing, if it is a folder of this user's that no one else may read or write;
+    else None."""
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        info = os.lstat(path)
+    except OSError:
+        return None
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        return None
+    return path
+
+
+def use() -> str | None:
+    """In this process (the fork server, before it imports torch; its ranks inherit it): read and write
+    bytecode under the private folder. Returns the folder in use, or None."""
+    choice = os.environ.get(ENV_VAR, "")
+    if choice == "0" or sys.pycache_prefix:
+        return None
+    if choice in ("", "1"):
+        if choice == "" and not needed():
+            return None
+        folder = default_folder()
+    else:
+        folder = os.path.abspath(os.path.expanduser(choice))
+    folder = private_folder(folder)
+    if folder is None:
+        return None
+    sys.pycache_prefix = folder
+    sys.dont_write_bytecode = False            # for this process and its ranks only
+    return folder
