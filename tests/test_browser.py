@@ -48,7 +48,7 @@ def _cannot_run(reason):
 try:
     from playwright.sync_api import sync_playwright
 except ImportError:
-    _cannot_run("browser tests: the playwright package is missing (pip install -r requirements.txt, or -e ".[test]"; "
+    _cannot_run("browser tests: the playwright package is missing (pip install -r requirements.txt; "
                 "the browser is Debian's chromium, never `playwright install`)")
 if not os.path.exists(CHROMIUM):
     _cannot_run(f"browser tests: no Chromium at {CHROMIUM} (Debian: apt-get install chromium "

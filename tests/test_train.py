@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_helpers import WorkerError, data, launch, live, machine, models, torchrun, train
-from conftest import launch_two_ranks_once, needs_mini, seconds
+from conftest import cannot_run, launch_two_ranks_once, needs_mini, seconds
 from like_torchrun import run_module_like_torchrun
 
 # A few seconds of CPU work on the mini set, on 2 ranks: 500 training images, a 0.01M-parameter net.
@@ -566,7 +566,8 @@ def test_a_checkpoint_path_that_is_a_device_or_a_pipe_is_refused_up_front(tmp_pa
     elif os.geteuid() == 0:
         os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
     else:
-        pytest.skip("making a character device needs root")
+        cannot_run("making a character device needs root (a security check: root's save must not replace "
+                   "/dev/null)")
     with pytest.raises(ValueError, match=r"it exists and is not a regular file \(a device, a pipe or a socket\)"):
         train.make_config(checkpoint=str(path))
     assert not path.is_file() and path.exists()
