@@ -2,7 +2,7 @@
 
 `train.py` saves and loads the training state; this module holds what concerns the files themselves:
 the up-front checks of a checkpoint name and a file to resume from, the private atomic write, and
-why a file cannot be read (empty, cut short, a changed byte).
+the careful read: why a file cannot be read (empty, cut short, a changed byte, another program's).
 """
 import errno
 import io
@@ -83,6 +83,24 @@ def checkpoint_problem(path: str) -> str | None:
     except Exception as err:   # zipfile's errors for a file that is no whole zip archive
         return f"cut short or not a checkpoint: {err}"
     return None if bad is None else f"damaged: its part {bad} fails its checksum"
+
+
+def load_whole(path: str, map_location: torch.device, keys: tuple[str, ...]) -> dict:
+    """torch.load of a whole checkpoint (weights only: no code runs from the file) that holds at least
+    `keys`; UnreadableCheckpoint says why not."""
+    why = checkpoint_problem(path)
+    if why is None:
+        try:
+            state = torch.load(path, map_location=map_location, weights_only=True)
+        except Exception as err:
+            why = f"torch.load: {(str(err).splitlines() or [type(err).__name__])[0][:200]}"
+    if why is None:
+        missing = [key for key in keys if not isinstance(state, dict) or key not in state]
+        if not missing:
+            return state
+        has = f"it has {', '.join(map(repr, state))}" if isinstance(state, dict) else f"it is a {type(state).__name__}"
+        why = f"not a checkpoint of this trainer: it has no {', '.join(map(repr, missing))} ({has})"
+    raise UnreadableCheckpoint(path, why)
 
 
 def newest_readable(pattern: str, read: Callable[[str], dict]) -> tuple[str | None, dict | None, str | None]:

@@ -9,7 +9,7 @@
                            width=16, epochs=2, per_class=100)                 # in one picture
 
 How it works: with `live=True`, rank 0 of `train.run` prints one line of JSON per
-logged window of steps, marked with `train.METRICS_PREFIX`. `launch` already forwards
+logged window of steps, marked with `progress.METRICS_PREFIX`. `launch` already forwards
 every rank's output to this process as it arrives, through `sys.stdout`; while it runs,
 `train` here puts a filter in front of `sys.stdout` that takes the marked lines out,
 updates the picture, and lets every other line through. Everything happens in the
@@ -31,6 +31,7 @@ from matplotlib.ticker import MaxNLocator
 
 from . import data
 from . import train as train_module
+from .progress import METRICS_PREFIX
 from .launcher import launch
 
 REDRAW_EVERY_S = 0.5  # at most this often (drawing a figure takes ~0.1 s of the kernel's CPU)
@@ -120,9 +121,9 @@ class MetricsFilter(io.TextIOBase):
     def write(self, text):
         *lines, self.partial = (self.partial + text).split("\n")
         for line in lines:
-            at = line.find(train_module.METRICS_PREFIX)
+            at = line.find(METRICS_PREFIX)
             if at >= 0:
-                self.on_message(json.loads(line[at + len(train_module.METRICS_PREFIX):]))
+                self.on_message(json.loads(line[at + len(METRICS_PREFIX):]))
             else:
                 self.out.write(line + "\n")
         return len(text)

@@ -17,6 +17,8 @@ from matplotlib import colors, patheffects
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
+from . import speed_plots
+
 Tensors = Any   # a tensor, a list of tensors, or None: what a rank holds at one stage
 
 
@@ -256,30 +258,14 @@ def latency_plot(rows: Sequence[tuple[int, float]], label: str, ax: Axes | None 
 
 def overlap_timeline(timelines: Sequence[dict]) -> Figure:
     """DDP's all-reduces against the backward pass, one row per run, the first on top: the dicts
-    `data_parallel.backward_timeline` returns, each with a "label" (e.g. the bucket size).
-    Blue: from the start of backward to the last gradient written; black ticks: each gradient
-    written; orange: each all-reduce, while Gloo's thread runs it."""
-    fig, ax = plt.subplots(figsize=(9, 0.9 + 0.9 * len(timelines)))
-    rows = len(timelines)
-    for row, tl in enumerate(timelines):
-        y = (rows - 1 - row) * 2
-        grads = tl.get("gradients_ms") or [tl["backward_ms"]]
-        ax.broken_barh([(0, max(grads))], (y + 0.55, 0.8), color="tab:blue", alpha=0.5)
-        ax.vlines(tl.get("gradients_ms", []), y + 0.55, y + 1.35, color="black", linewidth=1)
-        ax.broken_barh([(s, max(e - s, 0.05)) for s, e in tl["all_reduces_ms"]], (y - 0.35, 0.8),
-                       color="tab:orange", edgecolor="black", linewidth=0.5)
-    ax.set_yticks([(rows - 1 - row) * 2 + 0.5 for row in range(rows)],
-                  [f"{tl.get('label', '')}\n{len(tl['all_reduces_ms'])} all-reduce(s)" for tl in timelines])
-    ax.set_xlabel("ms since backward started")
-    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color="tab:blue", alpha=0.5),
-                       plt.Line2D([0], [0], color="black", linewidth=1),
-                       plt.Rectangle((0, 0), 1, 1, color="tab:orange")],
-              labels=["backward, until the last gradient", "a gradient written",
-                      "all-reduce of a bucket (Gloo thread)"],
-              loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=9)
-    ax.grid(True, axis="x", alpha=0.3)
-    fig.tight_layout()
-    return fig
+    `data_parallel.backward_timeline` returns, each with a "label" (e.g. the bucket size). Drawn as
+    every overlap picture is (`speed_plots.overlap_timeline`): blue from the start of backward to the
+    last gradient written; black ticks: each gradient written; orange: each all-reduce, while Gloo's
+    thread runs it."""
+    rows = {f"{tl.get('label', '')}\n{len(tl['all_reduces_ms'])} all-reduce(s)":
+            {"ready_ms": tl.get("gradients_ms") or [tl["backward_ms"]], "link_ms": tl["all_reduces_ms"]}
+            for tl in timelines}
+    return speed_plots.overlap_timeline(rows, words=speed_plots.PROFILED, size=(9, 0.9 + 0.9 * len(timelines)))
 
 
 def image_grid(images: torch.Tensor, labels: torch.Tensor, class_names: Sequence[str], columns: int = 10) -> Figure:

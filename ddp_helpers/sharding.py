@@ -4,9 +4,8 @@ dtypes and bytes: `FsdpTrace`), note the group each collective ran in (`GroupTra
 HSDP's 2-D mesh), and draw the ZeRO stages and the memory table
 (the plot functions return the figure).
 
-The "Try it" exercise's checker lives with the others (`exercises.sharding`), and is
-re-exported here as `check_shard_and_reassemble`, the name notebook 08 uses; its
-solutions are in `ddp_helpers/solutions.py`.
+The "Try it" exercise's checker lives with the others (`exercises.check_shard_and_reassemble`,
+in `exercises.sharding`); its solutions are in `ddp_helpers/solutions.py`.
 
 The lesson's code (the ZeRO-1 step, `fully_shard`, and in Going further the
 distributed checkpoint) is in the notebook's cells, not here.
@@ -23,14 +22,13 @@ import torch
 import torch.distributed as dist
 
 from .compat import renamed
-from .exercises.sharding import check_shard_and_reassemble
 from .exercises.spies import DispatchSpy, c10d_collective
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 __all__ = ["storage_bytes", "rank_memory", "CATEGORIES", "format_table", "plot_memory_table", "plot_zero_stages",
-           "FsdpTrace", "GroupTrace", "format_gather_order", "all_gather_single", "check_shard_and_reassemble"]
+           "FsdpTrace", "GroupTrace", "format_gather_order", "all_gather_single"]
 
 # ---------------------------------------------------------------- memory accounting
 

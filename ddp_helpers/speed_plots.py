@@ -40,25 +40,39 @@ def accuracy_vs_seconds(ax: Axes, points: Sequence[tuple[str, float, float, floa
     return ax
 
 
-def overlap_timeline(runs: dict[str, dict], title: str) -> Figure:
-    """One row per run (label -> {"step_ms", "ready_ms", "link_ms"}, and "last_ms" when step_ms is a
-    median of several steps but ready_ms and link_ms are the last step's): a blue bar for backward's
-    computation (until the last bucket is ready), a tick when each bucket is ready, an orange bar for
-    each bucket on the link, a black line at the end of that step. Returns the figure."""
-    fig, ax = plt.subplots(figsize=(8, 1.5 + 0.7 * len(runs)))
+# The words of the overlap picture: (the blue bar, the orange bars, the black line, the x axis).
+ON_A_LINK = ("backward computing", "a bucket on the link", "backward() returns",
+             "ms since backward() started (ticks: a bucket's gradients are all ready)")
+PROFILED = ("backward, until the last gradient", "all-reduce of a bucket (Gloo thread)", None,
+            "ms since backward started (ticks: a gradient written)")
+
+
+def overlap_timeline(runs: dict[str, dict], title: str | None = None, words: tuple = ON_A_LINK,
+                     size: tuple[float, float] | None = None) -> Figure:
+    """The buckets' all-reduces against the backward pass, the one picture of it (05's profiled
+    runs too: `plots.overlap_timeline`). One row per run, the first on top (label -> {"ready_ms",
+    "link_ms"}, and "step_ms" for a black line at the end of that step, or "last_ms" when step_ms is
+    a median of several steps but ready_ms and link_ms are the last step's): a blue bar for
+    backward's computation (until the last tick), a tick when each bucket (or gradient) is ready, an
+    orange bar for each bucket on the link. `words`: the legend's and the axis's (ON_A_LINK, PROFILED).
+    Returns the figure."""
+    computing, on_link, returns, xlabel = words
+    fig, ax = plt.subplots(figsize=size or (8, 1.5 + 0.7 * len(runs)))
     for row, (label, run) in enumerate(runs.items()):
         y = len(runs) - 1 - row
         ax.barh(y + 0.15, max(run["ready_ms"]), height=0.25, color="tab:blue",
-                label="backward computing" if row == 0 else None)
+                label=computing if row == 0 else None)
         ax.vlines(run["ready_ms"], y + 0.02, y + 0.28, colors="k", linewidth=1)
         for i, (start, end) in enumerate(run["link_ms"]):
-            ax.barh(y - 0.15, end - start, left=start, height=0.25, color="tab:orange", edgecolor="white",
-                    label="a bucket on the link" if row == 0 and i == 0 else None)
-        ax.vlines(run.get("last_ms", run["step_ms"]), y - 0.35, y + 0.35, colors="k", linewidth=2.5,
-                  label="backward() returns" if row == 0 else None)
+            ax.barh(y - 0.15, max(end - start, 0.05), left=start, height=0.25, color="tab:orange",
+                    edgecolor="white", label=on_link if row == 0 and i == 0 else None)
+        if "step_ms" in run or "last_ms" in run:
+            ax.vlines(run.get("last_ms", run.get("step_ms")), y - 0.35, y + 0.35, colors="k", linewidth=2.5,
+                      label=returns if row == 0 else None)
     ax.set_yticks(range(len(runs)), list(runs)[::-1])
-    ax.set_xlabel("ms since backward() started (ticks: a bucket's gradients are all ready)")
-    ax.set_title(title, fontsize=10)
+    ax.set_xlabel(xlabel)
+    if title:
+        ax.set_title(title, fontsize=10)
     fig.legend(loc="lower center", ncol=3, fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.1, 1, 1))
     return fig

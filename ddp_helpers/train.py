@@ -12,23 +12,28 @@ it, saying so, when the newest cannot be read).
 The choices that a speed layer may replace (model, DDP wrapper, data loaders and batches, optimizer, the
 step, prediction) are the methods of `Plain`; `ddp_helpers.speed.Speedups` is such a layer.
 """
-import dataclasses, math, os, signal, sys, time, warnings
+import dataclasses
+import math
+import os
+import signal
+import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
 import torch.nn.functional as F
+from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 from torchvision.transforms import v2
 
-from . import data, machine, models, settings as settings_
-from .compat import barrier, loopback_interface, one_gpu_per_rank  # what torch versions differ in
-from .checkpoint_files import (UnreadableCheckpoint, checkpoint_checks, checkpoint_problem, newest_readable,
-                               resume_checks, write_privately)
-from .progress import METRICS_PREFIX, Log, restart_count, say  # noqa: F401 (METRICS_PREFIX: for live)
+from . import data, machine, models
+from . import settings as settings_
+from .checkpoint_files import checkpoint_checks, load_whole, newest_readable, resume_checks, write_privately
+from .compat import barrier, exit_skipping_teardown, loopback_interface, one_gpu_per_rank
+from .progress import Log, restart_count, say
 
 option = settings_.option
 
@@ -353,21 +358,10 @@ SAVED = ("model", "optimizer", "schedule", "epoch", "step")   # what save_checkp
 
 
 def read_checkpoint(path: str, device: torch.device) -> dict:
-    """The training state saved at `path`, on `device`; UnreadableCheckpoint says why not.
-    map_location: tensors saved from cuda:0 would otherwise all land on cuda:0."""
-    why = checkpoint_problem(path)
-    if why is None:
-        try:
-            state = torch.load(path, map_location=device, weights_only=True)
-        except Exception as err:
-            why = f"torch.load: {(str(err).splitlines() or [type(err).__name__])[0][:200]}"
-    if why is None:
-        missing = [key for key in SAVED if not isinstance(state, dict) or key not in state]
-        if not missing:
-            return state
-        has = f"it has {', '.join(map(repr, state))}" if isinstance(state, dict) else f"it is a {type(state).__name__}"
-        why = f"not a checkpoint of this trainer: it has no {', '.join(map(repr, missing))} ({has})"
-    raise UnreadableCheckpoint(path, why)
+    """The training state saved at `path`, on this rank's device (map_location: tensors saved from cuda:0
+    would otherwise all land on cuda:0). A file cut short, damaged or of another program is refused,
+    saying why (checkpoint_files.load_whole)."""
+    return load_whole(path, map_location=device, keys=SAVED)
 
 
 def find_resume(t: Trainer) -> tuple[str | None, dict | None]:
@@ -437,9 +431,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    # Checkpoints are written and the group is destroyed. Skip the interpreter's teardown: after a torchrun
-    # restart it aborted finished workers in C++ thread destructors, failing a run that succeeded.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_skipping_teardown(main())   # checkpoints written, group destroyed: see compat

@@ -1,6 +1,6 @@
 """Build the course's site into docs/_build/html, then check its internal links.
 
-    .venv/bin/pip install -r requirements-docs.txt
+    .venv/bin/pip install -e ".[docs]" -c constraints.txt    # requirements.txt installs it too
     .venv/bin/python docs/build.py            # then open docs/_build/html/index.html
 
 Two sites: the English one, and the Chinese one (from notebooks/zh/, README.zh.md) in _build/html/zh/;

@@ -50,6 +50,14 @@ needs_2_gpus = pytest.mark.skipif(machine.gpu_count() < 2 or not dist.is_nccl_av
                                   reason="needs 2 CUDA GPUs and NCCL")
 
 
+def cannot_run(reason):
+    """A test this machine cannot run: skipped, with the reason. In CI (CI=true), which must run it (a
+    security property that goes untested must not pass for tested), a failure with the reason instead."""
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{reason}; CI must run it", pytrace=False)
+    pytest.skip(reason)
+
+
 def seconds(s):
     """A deadline of `s` seconds on an idle machine, stretched for a busy one (TIME_SCALE)."""
     return s * TIME_SCALE

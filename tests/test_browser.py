@@ -4,7 +4,7 @@ Needs Debian's Chromium and the playwright package (never `playwright install`, 
 download is not reachable here):
 
     apt-get install chromium fonts-noto-color-emoji fonts-noto-cjk   # CJK: the Chinese edition
-    .venv/bin/pip install -r requirements-docs.txt
+    .venv/bin/pip install -r requirements.txt -c constraints.txt   # playwright: the test extra
 
 Without them every test here is skipped, with that reason. `.ci/run` installs both.
 
@@ -48,7 +48,7 @@ def _cannot_run(reason):
 try:
     from playwright.sync_api import sync_playwright
 except ImportError:
-    _cannot_run("browser tests: the playwright package is missing (pip install -r requirements-docs.txt; "
+    _cannot_run("browser tests: the playwright package is missing (pip install -r requirements.txt; "
                 "the browser is Debian's chromium, never `playwright install`)")
 if not os.path.exists(CHROMIUM):
     _cannot_run(f"browser tests: no Chromium at {CHROMIUM} (Debian: apt-get install chromium "
@@ -484,7 +484,7 @@ SITE = ROOT / "docs" / "_build" / "html"
 def site():
     if not (SITE / ".built-ok").is_file():      # written by docs/build.py when the build and its checks passed
         pytest.importorskip("sphinx", reason="the site is not built and Sphinx is missing "
-                                             "(pip install -r requirements-docs.txt)")
+                                             "(pip install -e \".[docs]\")")
         subprocess.run([sys.executable, str(ROOT / "docs" / "build.py")], check=True, timeout=600)
     handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(SITE))
     handler.log_message = lambda *args: None

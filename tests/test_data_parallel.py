@@ -96,7 +96,8 @@ def test_small_buckets_start_during_backward_and_one_bucket_only_after_it():
     assert sum(g <= small["launches_ms"][0] for g in small["gradients_ms"]) == 2   # the last layer's two
     assert large["launches_ms"][0] > large["gradients_ms"][-1]
     fig = plots.overlap_timeline([dict(small, label="1 MB"), dict(large, label="100 MB")])
-    assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == ["1 MB\n8 all-reduce(s)", "100 MB\n1 all-reduce(s)"]
+    # from the bottom up: the first run is on top
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == ["100 MB\n1 all-reduce(s)", "1 MB\n8 all-reduce(s)"]
     matplotlib.pyplot.close(fig)
 
 

@@ -19,6 +19,9 @@ from conftest import REPO
 
 PACKAGE = os.path.join(REPO, "ddp_helpers")
 MAX_LINES = 450
+# The reference trainer has its own rule instead: one file, read top to bottom in notebook 06, however
+# long training needs it to be; what is not training lives elsewhere (checkpoint_files, compat, progress).
+UNCAPPED = {os.path.join("ddp_helpers", "train.py")}
 
 
 def _modules():
@@ -84,18 +87,20 @@ def test_every_ddp_helpers_name_the_lessons_use_can_be_imported():
 
 
 def test_named_checkers_and_solution_file_are_where_the_lessons_say():
-    from ddp_helpers import exercises, sharding
-    used = set()
-    for _, text in _learner_text():
+    from ddp_helpers import exercises
+    used, elsewhere = set(), []
+    for where, text in _learner_text():
         used.update(re.findall(r"exercises\.(check_\w+)", text))
+        elsewhere += [f"{where}: {m}" for m in re.findall(r"\b(?!exercises\.)\w+\.check_\w+\(", text)]
     assert used, "no checker found in the notebooks: the pattern is out of date"
     assert [name for name in sorted(used) if not callable(getattr(exercises, name, None))] == []
-    assert callable(sharding.check_shard_and_reassemble)
+    assert not elsewhere, f"a checker has one home, ddp_helpers.exercises: {elsewhere}"
     assert os.path.isfile(os.path.join(PACKAGE, "solutions.py"))
 
 
 def test_no_module_is_over_450_lines():
-    long = {os.path.relpath(p, REPO): n for p in _modules() if (n := len(open(p).read().splitlines())) > MAX_LINES}
+    long = {os.path.relpath(p, REPO): n for p in _modules() if (n := len(open(p).read().splitlines())) > MAX_LINES
+            and os.path.relpath(p, REPO) not in UNCAPPED}
     assert not long, f"split these along their seams (at most {MAX_LINES} lines): {long}"
 
 

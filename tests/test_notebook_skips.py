@@ -1,10 +1,12 @@
-"""The plugin ddp_helpers.pytest_notebooks skips notebook cells tagged `needs-cifar10` where CIFAR-10 cannot be had,
+"""The plugin tests/pytest_notebooks.py skips notebook cells tagged `needs-cifar10` where CIFAR-10 cannot be had,
 with the reason, and runs them where it can."""
 import os
 import subprocess
 import sys
 
 import nbformat
+
+from conftest import REPO
 
 
 def run_notebook_tests(tmp_path, data_folder):
@@ -13,9 +15,10 @@ def run_notebook_tests(tmp_path, data_folder):
     needs_data.metadata["tags"] = ["needs-cifar10"]
     nb.cells = [nbformat.v4.new_code_cell("x = 1"), needs_data, nbformat.v4.new_code_cell("assert x == 1")]
     nbformat.write(nb, str(tmp_path / "lesson.ipynb"))
-    env = dict(os.environ, DDP_HELPERS_CIFAR10=str(data_folder), XDG_CACHE_HOME=str(tmp_path / "cache"))
+    env = dict(os.environ, DDP_HELPERS_CIFAR10=str(data_folder), XDG_CACHE_HOME=str(tmp_path / "cache"),
+               PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.abspath(__file__)), REPO]))
     return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
-                           "-p", "ddp_helpers.pytest_notebooks", "--nbval", "--nbval-current-env", "-rs", "-q",
+                           "-p", "pytest_notebooks", "--nbval", "--nbval-current-env", "-rs", "-q",
                            "lesson.ipynb"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
 

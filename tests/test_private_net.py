@@ -1,5 +1,9 @@
 """The ranks' network is their own: another local user (and even the kernel's own network) cannot
-connect to a launch's or a warm pool's sockets: the rendezvous store and the ranks' Gloo sockets."""
+connect to a launch's or a warm pool's sockets: the rendezvous store and the ranks' Gloo sockets.
+
+A security property, on by default: where this machine cannot test it (no root for a second user, no
+network namespace for the ranks), each test is skipped with the reason, and in CI (CI=true) fails with
+it (conftest.cannot_run), as the browser tests do."""
 import encodings.idna  # noqa: F401 (the second user may not read Python's own files: imported here first)
 import os
 import pwd
@@ -8,16 +12,43 @@ import subprocess
 import sys
 import textwrap
 import time
+from functools import cache
 
 import psutil
 import pytest
 
-from conftest import REPO, seconds
+from conftest import REPO, cannot_run, seconds
 from ddp_helpers import WorkerError, launch
 from ddp_helpers.runtime import private_net
 from ddp_helpers.pool import Pool
 
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="switching to a second local user needs root")
+SHARED = "ddp_helpers: the ranks use this machine's network"   # the launcher's line where it must
+
+
+@cache
+def why_not_private():
+    """None where a launch from this process gives the ranks a network of their own; else why not, as the
+    launcher says it (one launch of one rank in a fresh Python: its line, or its error)."""
+    if not private_net.wanted():
+        return f"{private_net.SWITCH}=0 is set"
+    probe = subprocess.run([sys.executable, "-c", "from ddp_helpers import launch; launch(lambda: 0, 1)"],
+                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": REPO},
+                           timeout=seconds(60))
+    said = [line for line in probe.stdout.splitlines() if SHARED in line]
+    if said:
+        return said[0]
+    return None if probe.returncode == 0 else f"a launch failed: {probe.stderr.strip()[-300:]}"
+
+
+def needs_private_network():
+    why = why_not_private()
+    if why:
+        cannot_run(f"private network: the ranks get no network of their own here ({why})")
+
+
+def needs_root():
+    if os.geteuid() != 0:
+        cannot_run("private network: switching to a second local user needs root")
 
 
 def listening_ports():
@@ -84,9 +115,10 @@ def wait_for_files(folder, names):
         time.sleep(0.05)
 
 
-@needs_root
 def test_another_user_cannot_connect_to_a_running_launch_or_an_idle_pool(tmp_path):
     import threading
+    needs_root()
+    needs_private_network()
     user = second_user()
     assert user.pw_uid != os.getuid()
     results = {}
@@ -113,6 +145,7 @@ def test_another_user_cannot_connect_to_a_running_launch_or_an_idle_pool(tmp_pat
 
 
 def test_the_switch_puts_the_ranks_on_the_machines_network():
+    needs_private_network()   # before: where there was none, the test saw the launcher's notice and passed
     script = textwrap.dedent("""
         import os, socket
         from ddp_helpers import launch
@@ -132,13 +165,11 @@ def test_the_switch_puts_the_ranks_on_the_machines_network():
         off = subprocess.run([sys.executable, "-c", script], env={**env, private_net.SWITCH: "0"},
                              capture_output=True, text=True, timeout=seconds(60))
         assert "shared: reached" in off.stdout, off.stderr[-2000:]
+        assert SHARED not in off.stdout, "no notice when turned off"
         on = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
                             timeout=seconds(60))
-    if "ddp_helpers: the ranks use this machine's network" in on.stdout:   # no namespace here: it says so
-        assert "shared: reached" in on.stdout
-    else:   # a private network: the rank cannot reach this process's port
-        assert on.returncode != 0 and "ConnectionRefusedError" in on.stderr, (on.stdout, on.stderr[-2000:])
-    assert "ddp_helpers: the ranks use this machine's network" not in off.stdout, "no notice when turned off"
+    # a private network: the rank cannot reach this process's port
+    assert on.returncode != 0 and "ConnectionRefusedError" in on.stderr, (on.stdout, on.stderr[-2000:])
 
 
 def reach_the_internet():
@@ -146,11 +177,30 @@ def reach_the_internet():
 
 
 def test_a_rank_that_reaches_for_the_internet_is_told_why_it_cannot():
-    if "ddp_helpers: the ranks use this machine's network" in subprocess.run(
-            [sys.executable, "-c", "from ddp_helpers import launch; launch(lambda: 0, 1)"],
-            capture_output=True, text=True, env={**os.environ, "PYTHONPATH": REPO}).stdout:
-        pytest.skip("no private network on this machine")
+    needs_private_network()
     with pytest.raises(WorkerError) as caught:
         launch(reach_the_internet, 1, timeout=seconds(20))
     assert "ranks have no network but their own: download in the notebook, or set " \
            f"{private_net.SWITCH}=0" in str(caught.value)
+
+
+def run_these_tests(env, select="not where_they_cannot_run"):   # never this test itself
+    assert "not where_they_cannot_run" in select
+    return subprocess.run([sys.executable, "-m", "pytest", "-n", "0", "-p", "no:cacheprovider", "-rfs", "-q",
+                           "--no-header", __file__, "-k", select],
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=seconds(120))
+
+
+def test_where_they_cannot_run_they_fail_in_ci_and_skip_elsewhere():
+    # before: the switch test passed and the internet test was skipped without a word in CI, and the
+    # other-user test failed on its assert, not on the reason. DDP_HELPERS_PRIVATE_NET=0: this
+    # process's ranks get no network of their own, as on a machine that refuses namespaces.
+    env = {k: v for k, v in os.environ.items() if k not in ("CI", "PYTEST_XDIST_WORKER")}
+    env.update({private_net.SWITCH: "0", "PYTHONPATH": REPO})
+    ci = run_these_tests({**env, "CI": "true"})
+    assert ci.returncode == 1 and "3 failed" in ci.stdout, ci.stdout[-3000:]
+    reason = f"the ranks get no network of their own here ({private_net.SWITCH}=0 is set)"
+    assert ci.stdout.count(reason) >= 3 and "CI must run it" in ci.stdout, ci.stdout[-3000:]
+    elsewhere = run_these_tests(env)   # outside CI: skipped, with the reason
+    assert elsewhere.returncode == 0 and "3 skipped" in elsewhere.stdout, elsewhere.stdout[-3000:]
+    assert reason in elsewhere.stdout and "CI must run it" not in elsewhere.stdout, elsewhere.stdout[-3000:]

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ddp_helpers import launch, sharding, solutions
+from ddp_helpers import exercises, launch, sharding, solutions
 from ddp_helpers.exercises.sharding import expected_shard, full_tensor
 from ddp_helpers.sharding import all_gather_single
 
@@ -13,7 +13,7 @@ from ddp_helpers.sharding import all_gather_single
 # ---------------------------------------------------------------- the checker
 
 def test_solution_passes():
-    verdict = sharding.check_shard_and_reassemble(solutions.solution_shard, solutions.solution_reassemble)
+    verdict = exercises.check_shard_and_reassemble(solutions.solution_shard, solutions.solution_reassemble)
     assert verdict, repr(verdict)
     assert "correct" in repr(verdict)
 
@@ -22,7 +22,7 @@ def test_stubs_say_fill_in():
     def stub_shard(full, rank, world_size):
         raise NotImplementedError
 
-    verdict = sharding.check_shard_and_reassemble(stub_shard, solutions.solution_reassemble)
+    verdict = exercises.check_shard_and_reassemble(stub_shard, solutions.solution_reassemble)
     assert not verdict and "NotImplementedError" in repr(verdict)
 
 
@@ -67,27 +67,27 @@ def reassemble_per_row(shard, rows):                   # one all-gather per row:
 
 
 def test_unpadded_shard_is_named():
-    problems = repr(sharding.check_shard_and_reassemble(unpadded_shard, solutions.solution_reassemble))
+    problems = repr(exercises.check_shard_and_reassemble(unpadded_shard, solutions.solution_reassemble))
     assert "rank 1" in problems and "expected shape" in problems and "pad with zeros" in problems, problems
 
 
 def test_wrong_rows_name_rank_and_element():
-    problems = repr(sharding.check_shard_and_reassemble(wrong_rows_shard, solutions.solution_reassemble))
+    problems = repr(exercises.check_shard_and_reassemble(wrong_rows_shard, solutions.solution_reassemble))
     assert "world_size=2, shape (5, 2), rank 0: my_shard: element (2, 0): expected 5, got 0" in problems, problems
 
 
 def test_all_reduce_is_rejected_although_the_result_is_right():
-    problems = repr(sharding.check_shard_and_reassemble(solutions.solution_shard, reassemble_with_all_reduce))
+    problems = repr(exercises.check_shard_and_reassemble(solutions.solution_shard, reassemble_with_all_reduce))
     assert "dist.all_reduce" in problems and "one all-gather" in problems, problems
 
 
 def test_padding_left_in_is_named():
-    problems = repr(sharding.check_shard_and_reassemble(solutions.solution_shard, reassemble_keeping_padding))
+    problems = repr(exercises.check_shard_and_reassemble(solutions.solution_shard, reassemble_keeping_padding))
     assert "world_size=2, shape (5, 2), rank 0: my_reassemble: expected shape (5, 2), got (6, 2)" in problems, problems
 
 
 def test_several_all_gathers_are_rejected():
-    problems = repr(sharding.check_shard_and_reassemble(solutions.solution_shard, reassemble_per_row))
+    problems = repr(exercises.check_shard_and_reassemble(solutions.solution_shard, reassemble_per_row))
     assert "all-gather 3 times" in problems, problems
 
 
@@ -169,9 +169,9 @@ def test_a_collective_held_in_a_variable_is_seen():
         reduce(out)
         return out[:rows]
 
-    verdict = sharding.check_shard_and_reassemble(solutions.solution_shard, reassemble)
+    verdict = exercises.check_shard_and_reassemble(solutions.solution_shard, reassemble)
     assert verdict, repr(verdict)
-    problems = repr(sharding.check_shard_and_reassemble(solutions.solution_shard, reassemble_all_reduce))
+    problems = repr(exercises.check_shard_and_reassemble(solutions.solution_shard, reassemble_all_reduce))
     assert "dist.all_reduce" in problems, problems
 
 
@@ -273,6 +273,6 @@ def reassemble_returns_its_input(shard, rows):
 
 
 def test_a_learner_patch_of_torch_cannot_change_the_shard_the_checker_hands_on():
-    verdict = sharding.check_shard_and_reassemble(shard_then_patch_torch, reassemble_returns_its_input)
+    verdict = exercises.check_shard_and_reassemble(shard_then_patch_torch, reassemble_returns_its_input)
     assert not verdict and ("world_size=2, shape (6, 3), rank 0: my_reassemble: expected shape (6, 3), got (3, 3)"
                             in repr(verdict)), repr(verdict)

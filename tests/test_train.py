@@ -39,8 +39,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ddp_helpers import WorkerError, data, launch, live, machine, models, torchrun, train
-from conftest import launch_two_ranks_once, needs_mini, seconds
+from ddp_helpers import WorkerError, data, launch, live, machine, models, progress, torchrun, train
+from conftest import cannot_run, launch_two_ranks_once, needs_mini, seconds
 from like_torchrun import run_module_like_torchrun
 
 # A few seconds of CPU work on the mini set, on 2 ranks: 500 training images, a 0.01M-parameter net.
@@ -237,8 +237,9 @@ def printed_steps(lines):
 def test_log_every_verbose_and_live_output(capsys):
     record = train.run(**dict(SMALL, log_every=3, verbose=True), epochs=2, live=True)
     out = capsys.readouterr().out.splitlines()
-    messages = [json.loads(line[len(train.METRICS_PREFIX):]) for line in out if line.startswith(train.METRICS_PREFIX)]
-    text = [line for line in out if not line.startswith(train.METRICS_PREFIX)]
+    prefix = progress.METRICS_PREFIX
+    messages = [json.loads(line[len(prefix):]) for line in out if line.startswith(prefix)]
+    text = [line for line in out if not line.startswith(prefix)]
     # verbose: what rank 0 tells a person; log_every=3: a window ends every 3 steps and with each epoch
     assert text[0] == "fastnet on 1 rank(s), cpu, gloo: 5 steps/epoch of 10 images per rank"
     assert printed_steps(text) == [3, 5, 6, 9, 10]
@@ -492,7 +493,7 @@ def test_short_cpu_training_lowers_the_loss_and_shows_progress(capsys):
     assert record["test_accuracy"] > 0.25 and all(s["images_per_s"] > 0 for s in steps)  # chance: 0.1
     assert [e["epoch"] for e in record["epochs"]] == [0, 1, 2] and "test_accuracy" in record["epochs"][0]
     assert "step 60/60 (100%)" in printed and "epoch 3: test accuracy" in printed
-    assert train.METRICS_PREFIX not in printed  # metric lines are taken out of the output
+    assert progress.METRICS_PREFIX not in printed  # metric lines are taken out of the output
     assert "done: test accuracy" not in printed  # live.train turns the ranks' own lines off (verbose=False)
     figure = live.plot(record)
     assert len(figure.axes) == 3 and live.png(figure)[:4] == b"\x89PNG"
@@ -501,7 +502,7 @@ def test_short_cpu_training_lowers_the_loss_and_shows_progress(capsys):
 def test_metrics_filter_takes_out_marked_lines_only():
     out, messages = io.StringIO(), []
     tap = live.MetricsFilter(out, messages.append)
-    tap.write("[rank 0] hello\n[rank 0] " + train.METRICS_PREFIX + '{"kind": "end", ')
+    tap.write("[rank 0] hello\n[rank 0] " + progress.METRICS_PREFIX + '{"kind": "end", ')
     tap.write('"test_accuracy": 0.5, "test_loss": 1.0}\n[rank 1] bye')
     tap.flush()
     assert out.getvalue() == "[rank 0] hello\n[rank 1] bye"
@@ -566,7 +567,8 @@ def test_a_checkpoint_path_that_is_a_device_or_a_pipe_is_refused_up_front(tmp_pa
     elif os.geteuid() == 0:
         os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
     else:
-        pytest.skip("making a character device needs root")
+        cannot_run("making a character device needs root (a security check: root's save must not replace "
+                   "/dev/null)")
     with pytest.raises(ValueError, match=r"it exists and is not a regular file \(a device, a pipe or a socket\)"):
         train.make_config(checkpoint=str(path))
     assert not path.is_file() and path.exists()

@@ -6,8 +6,7 @@ compared with the one FSDP2 keeps (`expected_shard`, the padded rows `torch.chun
 taken before any of the learner's code runs), and the collectives of the reassembly are recorded
 below torch.distributed's Python functions (`spies.CollectiveRecorder`), with their bytes: one
 all-gather of the padded shards, nothing else. A last case, drawn when the checker runs
-(`runner.unseen`), shards a tensor of random size and values. `ddp_helpers.sharding` re-exports the
-checker, the path notebook 08 uses.
+(`runner.unseen`), shards a tensor of random size and values.
 """
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
 """A pytest plugin for the notebooks (nbval runs each code cell as a test), loaded by pyproject.toml's
-`-p ddp_helpers.pytest_notebooks` (a plugin rather than a root conftest.py: tests/conftest.py is the
-tests' own, and two modules named conftest collide in the worker processes that import the tests).
+`-p pytest_notebooks` (its `pythonpath` puts tests/ on sys.path first). A plugin rather than a conftest.py:
+tests/conftest.py is the tests' own, and two modules named conftest (one at the root or in notebooks/)
+collide in the worker processes that import the tests. It lives with the tests, not in the package:
+a learner's install needs no pytest.
 
 A notebook cell tagged `needs-cifar10` is skipped, with the reason, on a machine that has no copy of
 CIFAR-10 and cannot download one (no network, and DDP_HELPERS_CIFAR10 not set): the unit tests that
