@@ -88,14 +88,16 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from .launcher import NO_GPU_ZERO, WorkerError, check_seed, check_timeout, check_world_size, launch, resolve_backend
+from .launch_checks import NO_GPU_ZERO, check_seed, check_timeout, check_world_size, resolve_backend
+from .launch_errors import WorkerError
+from .launcher import launch
 from .pool import Pool
 from .runtime.cells import PerRank, globals_to_send
 from .runtime.debug_session import answering, someone_to_ask
 from .runtime.output import output_sink
 from .runtime.rank_views import TabSink
 from .runtime.stacks import timeout_called
-from .runtime.worker import run_cell
+from .runtime.cell_exec import run_cell
 
 LINE_COMMANDS = ("start", "stop", "status", "push", "pull", "debug")
 

@@ -47,7 +47,7 @@ import sys
 
 import torch.multiprocessing
 
-from .runtime.tutorial_ranks import SWITCH, enabled, install_in_rank  # noqa: F401 (worker calls tutorials.install_in_rank)
+from .runtime.tutorial_ranks import SWITCH, enabled  # noqa: F401 (the ranks' side: runtime.tutorial_ranks)
 
 SPAWN_TIMEOUT_S = 3600                 # mp.spawn has no timeout; the Interrupt button stops the ranks
 _spawn_module = sys.modules["torch.multiprocessing.spawn"]

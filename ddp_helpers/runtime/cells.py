@@ -8,7 +8,10 @@
   what the ranks sent, and a value with a richer view (an image, HTML, a figure: `rank_io.Shown`)
   is displayed as such, after a `[rank N]` line.
 
-The worker side (executing a cell) is `worker.exec_cell`.
+- `to_cpu`: a rank's value with its tensors moved to the CPU, so that reading it never initialises
+  CUDA in the notebook kernel.
+
+The rank's side (executing a cell) is `cell_exec.exec_cell`.
 """
 import builtins
 import io
@@ -19,6 +22,7 @@ import sys
 import types
 
 import cloudpickle
+import torch
 
 from .rank_io import Shown
 
@@ -147,3 +151,14 @@ def dumps_with_sources(obj):
                if name in linecache.cache and len(linecache.cache[name]) == 4 and not os.path.exists(name)}
     return buffer.getvalue(), sources
 
+
+def to_cpu(value):
+    """Move tensors in (nested) lists, tuples and dicts to the CPU, so that
+    reading results never initialises CUDA in the notebook kernel."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(to_cpu(v) for v in value)
+    if isinstance(value, dict):
+        return {k: to_cpu(v) for k, v in value.items()}
+    return value

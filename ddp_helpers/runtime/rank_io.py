@@ -15,7 +15,7 @@
   recv) that needs a rank outside the cell's ranks: those ranks never join, and the cell would
   wait until its timeout.
 
-`setup()` is called once in every rank, by `worker.setup_worker_process`.
+`setup()` is called once in every rank, by `rank_setup.setup_worker_process`.
 """
 import base64
 import builtins

@@ -2,12 +2,12 @@
 
 `serve(local_rank, job, connections)` is the target handed to
 `torch.multiprocessing.start_processes`. It sets the process up as `launch`'s workers are set up
-(`worker.setup_worker_process`: output pipes, environment, watchdog), forms the process group,
+(`rank_setup.setup_worker_process`: output pipes, environment, watchdog), forms the process group,
 says "ok" on its connection, and then answers the kernel's requests one at a time: run a cell
 (on every rank, or on some: `rank_io.only_ranks`), call a function, set or read a variable, stop.
 
-The requests and the answer (`protocol.Reply`: the pickled value or `worker.describe_exception`'s
-record, whether the process group still stands, whether this rank has child processes, which one
+The requests and the answer (`protocol.Reply`: the pickled value or the `ErrorRecord` of what it
+raised, whether the process group still stands, whether this rank has child processes, which one
 system call tells) are the dataclasses of `protocol`.
 
 A cell may fork (`os.fork()`): the child shares this rank's connection to the kernel, and would
@@ -25,11 +25,12 @@ import cloudpickle
 import torch.distributed as dist
 
 from . import rank_io, rank_pdb
-from .cells import dumps
-from .random_state import reseed
+from .cell_exec import exec_cell, rank_namespace
+from .cells import dumps, to_cpu
+from .error_record import describe_exception
 from .protocol import Call, Debug, Exec, Pull, Push, Reply, Request, Stop
-from .worker import (describe_exception, end_worker, exec_cell, init_process_group, rank_namespace,
-                     setup_worker_process, threads_left_running, to_cpu)
+from .random_state import reseed
+from .rank_setup import end_worker, init_process_group, setup_worker_process, threads_left_running
 
 
 def serve(local_rank, job, connections):
@@ -48,7 +49,7 @@ def serve(local_rank, job, connections):
         init_process_group(job.backend, local_rank, job.pg_timeout_s)
         conn.send(Reply(value=dumps(rank_io.collectives_visible())))   # for %%ddp --ranks
     except BaseException as exc:
-        conn.send(Reply(error=describe_exception(exc), group_alive=dist.is_initialized()))
+        conn.send(Reply(error=describe_exception(exc, local_rank), group_alive=dist.is_initialized()))
         end_worker()
         return
     state = _RankState()
@@ -67,7 +68,7 @@ def serve(local_rank, job, connections):
                 reseed(local_rank, request.seed)
             reply = Reply(value=dumps(to_cpu(state.handle(request))))
         except BaseException as exc:
-            reply = Reply(error=describe_exception(exc))
+            reply = Reply(error=describe_exception(exc, local_rank))
             if isinstance(request, (Exec, Call)):
                 state.failed = exc   # for `%ddp debug`, with its traceback and the frames' variables
         finally:

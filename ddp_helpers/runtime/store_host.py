@@ -95,13 +95,12 @@ def _ask(*request):
 
 def _start_host():
     from . import forkserver, run_dirs
-    from .supervisor import main_script_not_rerun
     forkserver.start()
     context = multiprocessing.get_context(forkserver.start_method())
     conn, theirs = context.Pipe()
     log = os.path.join(run_dirs.run_root(), f"store-{os.getpid()}.log")
     process = context.Process(target=serve_stores, args=(theirs, log), name="ddp-helpers-store", daemon=True)
-    with main_script_not_rerun():
+    with forkserver.main_script_not_rerun():
         process.start()
     theirs.close()
     if not conn.poll(START_TIMEOUT_S):

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import multiprocessing.connection
-import multiprocessing.spawn
 import os
 import signal
 import time
@@ -34,15 +33,13 @@ from collections.abc import Callable
 import psutil
 import torch.multiprocessing
 
-from .. import machine
-from ..compat import loopback_interface
 from . import forkserver, private_net, processes
 from .debug_session import DebugServer
 from .output import OutputPump
 from .rank_pdb import SOCKET_ENV
 from .run_dirs import new_run_dir, release_run_dir, remove_scratch
+from .rank_env import worker_env
 from .store_host import StoreHost
-from .worker import omp_threads
 
 STOP_GRACE_S = 2.0           # SIGTERM, then SIGKILL after this long
 LOOK_AT_CHILDREN_S = 0.5     # how often the waits note the processes the ranks started
@@ -85,7 +82,7 @@ class Supervisor:
     def start(self, target, args):
         """Start the ranks: `target(local_rank, *args)` in each."""
         forkserver.start()   # unless it runs already (started by an earlier launch or by `import ddp_helpers`)
-        with main_script_not_rerun():
+        with forkserver.main_script_not_rerun():
             self._context = torch.multiprocessing.start_processes(
                 target, args=args, nprocs=self.world_size, join=False, start_method=forkserver.start_method())
         self.processes = self._context.processes
@@ -251,28 +248,6 @@ class Supervisor:
         return False
 
 
-@contextlib.contextmanager
-def main_script_not_rerun():
-    """multiprocessing re-runs the main script in every new process (as `__mp_main__`), so that the
-    functions it pickled by name can be found there. A rank needs none of it: the function and
-    everything it uses travel by value. So a script that calls `launch` without the
-    `if __name__ == "__main__":` guard works (each rank re-ran it and launched again), and a script
-    read from standard input (`python - < script.py`, a "<stdin>" that is no file) starts too."""
-    real = multiprocessing.spawn.get_preparation_data
-
-    def without_main(name):
-        data = real(name)
-        data.pop("init_main_from_path", None)
-        data.pop("init_main_from_name", None)
-        return data
-
-    multiprocessing.spawn.get_preparation_data = without_main
-    try:
-        yield
-    finally:
-        multiprocessing.spawn.get_preparation_data = real
-
-
 _said = []
 
 
@@ -300,36 +275,3 @@ def describe_exit(exitcode):
         hint = " (often the out-of-memory killer, or the launcher stopping it)" if name == "SIGKILL" else ""
         return f"was killed by signal {name}{hint}"
     return f"exited with code {exitcode} without a Python exception"
-
-
-# ------------------------------------------------------ environment and store
-def worker_env(world_size, master_port, extra_env=None):
-    """The environment each worker gets: the kernel's own, plus what torchrun sets.
-
-    RANK, LOCAL_RANK, GROUP_RANK and ROLE_RANK differ per rank; the worker adds them.
-    A bad OMP_NUM_THREADS (the kernel's or in extra_env) is a ValueError here.
-    """
-    env = dict(os.environ)
-    env.update(extra_env or {})
-    threads = max(1, machine.cpu_count() // world_size)
-    env.setdefault("OMP_NUM_THREADS", str(threads))  # torchrun would use 1; share the cores instead
-    omp_threads(env["OMP_NUM_THREADS"])
-    lo = loopback_interface()
-    env.setdefault("GLOO_SOCKET_IFNAME", lo)   # Gloo and NCCL talk over loopback only
-    env.setdefault("NCCL_SOCKET_IFNAME", lo)
-    env.update({
-        "WORLD_SIZE": str(world_size),
-        "LOCAL_WORLD_SIZE": str(world_size),
-        "ROLE_WORLD_SIZE": str(world_size),
-        "GROUP_WORLD_SIZE": "1",
-        "ROLE_NAME": "default",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(master_port),
-        # Like torchrun: workers connect to the store the launcher hosts instead of rank 0 creating one.
-        "TORCHELASTIC_USE_AGENT_STORE": "True",
-        "TORCHELASTIC_RESTART_COUNT": "0",
-        "TORCHELASTIC_MAX_RESTARTS": "0",
-        "TORCHELASTIC_RUN_ID": "ddp_helpers",
-    })
-    env.update(extra_env or {})
-    return env

@@ -1,6 +1,6 @@
 """Inside each rank that ddp_helpers starts: tutorial code's own `init_process_group` (see `tutorials`).
 
-`install_in_rank` (called by `runtime.worker` as a rank starts) replaces `init_process_group` and
+`install_in_rank` (called by `rank_setup` as a rank starts) replaces `init_process_group` and
 `destroy_process_group` in the rank, unless DDP_HELPERS_TUTORIAL_CODE=0:
 
 - inside a group that exists already (a `%%ddp` cell, `launch(init=True)`, the pool) an init that
@@ -37,7 +37,7 @@ class _RankShims:
 
 
 def install_in_rank(marker_path=None):
-    """Called by every rank as it starts (runtime.worker.setup_worker_process): see the module docstring."""
+    """Called by every rank as it starts (rank_setup.setup_worker_process): see the module docstring."""
     if not enabled():
         return
     _RankShims.launch_addr = os.environ.get("MASTER_ADDR")
