@@ -7,14 +7,19 @@ import os as _os
 import sys as _sys
 from typing import Any as _Any
 
-# In a Jupyter kernel, which will launch ranks, start the fork server first, so that it imports torch
-# while this kernel does too (runtime.forkserver.start_at_import says when). Anywhere else (a script,
-# torchrun's workers of `python -m ddp_helpers.train`, the fork server itself) nothing of the launch
-# machinery is imported until it is used: the cheap test here spares them even the fork server's module.
-if "ipykernel" in _sys.modules or _os.environ.get("DDP_HELPERS_EARLY_FORKSERVER"):
-    from .runtime import forkserver as _forkserver
-    if _forkserver.start_at_import():
-        _forkserver.start()
+
+def _start_the_fork_server_in_a_kernel() -> None:
+    """In a Jupyter kernel, which will launch ranks, start the fork server first, so that it imports
+    torch while this kernel does too (`runtime.forkserver.start_at_import` says when). Anywhere else (a
+    script, torchrun's workers of `python -m ddp_helpers.train`, the fork server itself) nothing of the
+    launch machinery is imported until it is used: this cheap test spares them the fork server's module."""
+    if "ipykernel" in _sys.modules or _os.environ.get("DDP_HELPERS_EARLY_FORKSERVER"):
+        from .runtime import forkserver
+        if forkserver.start_at_import():
+            forkserver.start()
+
+
+_start_the_fork_server_in_a_kernel()   # first, before anything else of the package
 
 __all__ = ["launch", "spawn", "WorkerError", "WorkerTimeout", "load_ipython_extension", "unload_ipython_extension"]
 
