@@ -154,3 +154,13 @@ def test_a_module_loads_only_what_it_needs(name, not_loaded):
     assert done.returncode == 0, done.stderr
     loaded = eval(done.stdout)
     assert [m for m in not_loaded if m in loaded] == [], loaded
+
+
+def test_c10d_operator_names_have_one_home():
+    """runtime.c10d_names says what the c10d operators are called; the spies and rank_io ask it."""
+    from ddp_helpers.exercises import spies
+    from ddp_helpers.runtime import c10d_names, rank_io
+    assert spies.collective_name is c10d_names.collective_name and rank_io.called_as is c10d_names.called_as
+    spelled = [os.path.relpath(p, REPO) for p in _modules()
+               if re.search(r"""["']_allgather_base["']|replace\(["']allgather["']""", open(p).read())]
+    assert spelled == ["ddp_helpers/runtime/c10d_names.py"], spelled

@@ -30,6 +30,7 @@ except ImportError:
     pass
 
 from . import PACKAGE_DIR
+from .c10d_names import called_as
 
 BACKEND = "module://ddp_helpers.runtime.rank_backend"
 # A rank's stdout line that carries a mime bundle, not text: MARK + JSON.
@@ -289,16 +290,8 @@ def _ranks_needed(func, args, kwargs):
 
 
 # c10d operator -> the torch.distributed function learners call
-_CALLED_AS = {"allreduce": "all_reduce", "allgather": "all_gather", "allgather_into_tensor_coalesced":
-              "all_gather_into_tensor", "_allgather_base": "all_gather_into_tensor",
-              "reduce_scatter": "reduce_scatter", "_reduce_scatter_base": "reduce_scatter_tensor",
-              "alltoall": "all_to_all", "alltoall_base": "all_to_all_single", "recv": "recv",
-              "recv_any_source": "recv (from any source)"}
-
-
 def _outside_message(func, needed, allowed):
-    name = func._schema.name.split("::")[-1].rstrip("_")
-    name = _CALLED_AS.get(name, name)
+    name = called_as(func._schema.name)
     missing = sorted(needed - allowed)
     who = f"rank {missing[0]} too, which does" if len(missing) == 1 else f"ranks {missing} too, which do"
     return (f"{name} in a --ranks cell (ranks {sorted(allowed)}):\n"
