@@ -6,6 +6,8 @@ ranks left: a rank's `ErrorRecord` (`error_from_record`), the stacks of ranks th
 """
 from __future__ import annotations
 
+from typing import Any
+
 from .runtime.error_record import ErrorRecord
 from .runtime.stacks import describe_timeout
 
@@ -53,7 +55,7 @@ def error_from_record(rank: int, record: ErrorRecord, run_dir: str, note: str = 
 
 
 def timeout_error(timeout: float, unfinished: list[int], stacks: dict[int, str], log_dir: str,
-                  **how) -> WorkerTimeout:
+                  **how: Any) -> WorkerTimeout:
     """The WorkerTimeout for ranks that had not finished after `timeout` seconds
     (`runtime.stacks.describe_timeout` says what it says)."""
     message, in_collective = describe_timeout(timeout, unfinished, stacks, log_dir, **how)

@@ -198,7 +198,8 @@ def _outcome(ranks: Supervisor, timeout: float, quiet: bool,
             return early
         return None
 
-    outcome, detail = ranks.wait_for_exits(time.monotonic() + timeout, finished=finished, check=left_early)
+    outcome, named = ranks.wait_for_exits(time.monotonic() + timeout, finished=finished, check=left_early)
+    detail = named or []   # the ranks that failed, or had not finished
     if outcome == "timeout":
         stacks = stacks_of(ranks, detail)
         ranks.stop()

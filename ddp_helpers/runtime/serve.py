@@ -14,12 +14,16 @@ A cell may fork (`os.fork()`): the child shares this rank's connection to the ke
 answer for the rank when it reaches the end of the cell (or is interrupted there). So the child
 closes its copy of the connection as it starts, and ends instead of answering.
 """
+from __future__ import annotations
+
 import contextlib
 import linecache
 import os
 import pickle
 import signal
 import sys
+from multiprocessing.connection import Connection
+from typing import Any
 
 import cloudpickle
 import torch.distributed as dist
@@ -30,10 +34,10 @@ from .cells import dumps, to_cpu
 from .error_record import describe_exception
 from .protocol import Call, Debug, Exec, Pull, Push, Reply, Request, Stop
 from .random_state import reseed
-from .rank_setup import end_worker, init_process_group, setup_worker_process, threads_left_running
+from .rank_setup import WorkerJob, end_worker, init_process_group, setup_worker_process, threads_left_running
 
 
-def serve(local_rank, job, connections):
+def serve(local_rank: int, job: WorkerJob, connections: list[Connection]) -> None:
     """Target of `start_processes` for a pool worker."""
     conn = connections[local_rank]
     for other in connections:
@@ -87,14 +91,14 @@ def serve(local_rank, job, connections):
         os._exit(0)   # threads a cell left running would keep this rank from exiting (%ddp stop)
 
 
-def _forget(conn):
+def _forget(conn: Connection) -> None:
     """In a child forked by a cell: close this process's copy of the rank's connection (the rank's
     own stays open), so that the child can neither read the rank's requests nor answer them."""
     with contextlib.suppress(OSError):
         conn.close()
 
 
-def _has_children():
+def _has_children() -> bool:
     """Whether this process has child processes (running, or exited and not yet waited for)."""
     if not hasattr(os, "waitid"):
         return True   # cannot tell cheaply: let the kernel look
@@ -108,12 +112,12 @@ def _has_children():
 class _RankState:
     """One rank's namespace, kept between cells."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.namespace = rank_namespace()
-        self.from_kernel = {}  # name -> the object the kernel last sent for it
-        self.failed = None     # the exception of the last cell or call that raised here
+        self.from_kernel: dict[str, Any] = {}  # name -> the object the kernel last sent for it
+        self.failed: BaseException | None = None   # the exception of the last cell or call that raised here
 
-    def handle(self, request: Request):
+    def handle(self, request: Request) -> Any:
         if isinstance(request, Exec):
             self._take_from_kernel(request.sent)
             if request.only is None:
@@ -135,7 +139,7 @@ class _RankState:
             return self.namespace[request.name]
         raise ValueError(f"unknown request {request!r}")
 
-    def _take_from_kernel(self, sent):
+    def _take_from_kernel(self, sent: dict[str, Any]) -> None:
         """Notebook variables a cell uses fill in names the rank has not set itself:
         a rank's own variables are never overwritten by the kernel's."""
         for name, value in sent.items():
