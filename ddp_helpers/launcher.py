@@ -279,12 +279,9 @@ def _read_error(run_dir: str, rank: int) -> ErrorRecord | None:
     """The `ErrorRecord` a rank left (`rank_setup.report_error`), None if it left none."""
     try:
         with open(rank_file(run_dir, rank, "error"), "rb") as f:
-            record = pickle.load(f)
+            return ErrorRecord.from_dict(pickle.load(f))
     except FileNotFoundError:
         return None
-    if not isinstance(record, ErrorRecord):
-        raise TypeError(f"rank {rank}'s error file holds a {type(record).__name__}, not an ErrorRecord")
-    return record
 
 
 def _read_result(run_dir: str, rank: int) -> Any:

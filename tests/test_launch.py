@@ -19,7 +19,6 @@ from ddp_helpers import WorkerError, WorkerTimeout, launch
 from ddp_helpers import launcher as launch_module
 from ddp_helpers.runtime import store_host
 from ddp_helpers.runtime import run_dirs as run_dirs_module
-from ddp_helpers.runtime.error_record import ErrorRecord
 from conftest import REPO, needs_2_gpus, seconds
 
 
@@ -252,8 +251,7 @@ class _RanksWhoseExitStatusIsLate:
 
 def _raised(run_dir, rank, exc_type, message):
     with open(run_dirs_module.rank_file(str(run_dir), rank, "error"), "wb") as f:
-        pickle.dump(ErrorRecord(type=exc_type, module="builtins", message=message, traceback="Traceback ...\n",
-                                rank=rank), f)
+        pickle.dump({"type": exc_type, "message": message, "traceback": "Traceback ...\n"}, f)
 
 
 def _rank_0_raised(run_dir):

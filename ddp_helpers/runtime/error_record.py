@@ -1,10 +1,12 @@
 """What a rank that raised tells the kernel: `ErrorRecord`, made in the rank by `describe_exception`.
 
-It crosses from a rank to the kernel two ways, pickled both times: a `launch` rank leaves it in its
-run folder (`rank_setup.report_error`, the "error" file that `run_dirs` lists), and a warm pool's
-rank sends it in its `protocol.Reply`. The kernel turns it into a `WorkerError`
-(`launch_errors.error_from_record`). Every field is a plain str or int, so unpickling it in the kernel
-runs no code of the rank's (`as_dict()` gives the same fields for JSON).
+It crosses from a rank to the kernel two ways. A `launch` rank leaves it in its run folder
+(`rank_setup.report_error`, the "error" file that `run_dirs` lists) as a plain dict (`as_dict`: str
+and int values only, pickled), which the kernel reads back with `from_dict`: a reader that refuses
+every class reference (the exercises' checkers read the ranks' files so) reads it, and it is JSON as
+it is. A warm pool's rank sends the dataclass itself in its `protocol.Reply`. The kernel turns it into
+a `WorkerError` (`launch_errors.error_from_record`). Every field is an exact str or int, so reading it
+runs no code of the rank's.
 """
 from __future__ import annotations
 
@@ -28,7 +30,33 @@ class ErrorRecord:
     signal: int | None = None   # the signal behind it: SIGINT for a KeyboardInterrupt (the Interrupt button)
 
     def as_dict(self) -> dict[str, Any]:
+        """The record as builtin values only: what the error file holds."""
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: object) -> ErrorRecord:
+        """The record an error file holds (`as_dict`); a TypeError for anything else. `type`, `message`
+        and `traceback` are needed, the other fields may be missing."""
+        if not isinstance(data, dict):
+            raise TypeError(f"an error record is a dict, not a {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        if any(k not in known for k in data) or any(k not in data for k in ("type", "message", "traceback")):
+            raise TypeError(f"not an error record: {sorted(map(str, data))}")
+
+        def text(key: str) -> str:
+            value = data.get(key, "")
+            if type(value) is not str:
+                raise TypeError(f"an error record's {key} is a str, not a {type(value).__name__}")
+            return value
+
+        def number(key: str) -> int | None:
+            value = data.get(key)
+            if value is not None and type(value) is not int:
+                raise TypeError(f"an error record's {key} is an int or None, not a {type(value).__name__}")
+            return value
+
+        return cls(type=text("type"), module=text("module"), message=text("message"),
+                   traceback=text("traceback"), rank=number("rank"), signal=number("signal"))
 
 
 def describe_exception(exc: BaseException, rank: int | None = None) -> ErrorRecord:

@@ -119,9 +119,10 @@ def wait_for_every_rank(timeout_s: float) -> None:
 
 
 def report_error(run_dir: str, rank: int, exc: BaseException) -> None:
-    """Leave the exception, with its traceback, for the launcher (an `ErrorRecord`, pickled)."""
+    """Leave the exception, with its traceback, for the launcher (an `ErrorRecord` as a plain dict,
+    pickled: see `error_record`)."""
     with atomic_write(rank_file(run_dir, rank, "error")) as f:
-        f.write(pickle.dumps(describe_exception(exc, rank)))
+        f.write(pickle.dumps(describe_exception(exc, rank).as_dict()))
 
 
 def end_worker() -> None:

@@ -36,7 +36,7 @@ RANK_FILES = {
     "stdout": "a named pipe: the rank writes its stdout there, the kernel reads it",
     "stderr": "the same for its stderr",
     "result": "what the rank's function returned (cloudpickle)",
-    "error": "what it raised instead (an error_record.ErrorRecord, pickled)",
+    "error": "what it raised instead (an error_record.ErrorRecord as a plain dict, pickled)",
     "nogroup": "left by a rank of an init=False launch that returned without ever joining a process group",
     "rendezvous": "the address a rank waits on while it is in init_process_group (see `tutorials`)",
     "log": "everything the rank printed: kept after the run",
