@@ -27,57 +27,25 @@ import os
 import pickle
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
-import torch.distributed as dist
-
-from . import compat, gpu_leases
+from . import gpu_leases
+# The input checks and the errors live in modules of their own (the pool and %%ddp use them without
+# the launcher); their names stay importable from here, as they always were.
+from .launch_checks import (BACKENDS, MAX_SEED, MAX_TIMEOUT_S, MAX_WORLD_SIZE, NO_GPU_ZERO,  # noqa: F401
+                            TORCHRUN_VARIABLES, check_env, check_gpu_wait, check_seed, check_timeout,
+                            check_world_size, pickle_job, resolve_backend)
+from .launch_errors import WorkerError, WorkerTimeout, error_from_record, insert_hint, timeout_error  # noqa: F401
 from .runtime import private_net
-from .runtime.cells import dumps, dumps_with_sources
+from .runtime.error_record import ErrorRecord
+from .runtime.rank_setup import WorkerJob
 from .runtime.run_dirs import rank_file
-from .runtime.stacks import describe_timeout, stacks_of
+from .runtime.stacks import stacks_of
 from .runtime.supervisor import Supervisor, describe_exit, interrupted
-from .runtime.worker import WorkerJob, run_worker
+from .runtime.worker import run_worker
 
-BACKENDS = ("gloo", "nccl", "auto")
-MAX_WORLD_SIZE = 64          # one machine; past this use torchrun across nodes
-MAX_TIMEOUT_S = 30 * 24 * 3600   # 30 days; far larger ones overflow torch's timeouts in the workers
 LEFT_EARLY_GRACE_S = 10     # init=False: how long the others may wait for a rank that left without joining
-MAX_SEED = 2**63 - 1         # a rank's torch seed is seed + rank, and torch takes 64-bit seeds
 INTERRUPTED = "interrupted; the ranks were stopped (nothing is left running)."
-# What the launcher sets in every rank, as torchrun does: refused in env= (see check_env).
-TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
-                      "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")
-
-
-class WorkerError(RuntimeError):
-    """A worker raised, crashed or was killed. `rank`, `exc_type`, `exc_message`,
-    `remote_traceback` describe the first rank that failed; `log_dir` holds full logs."""
-
-    def __init__(self, message: str, rank: int | None = None, exc_type: str | None = None,
-                 exc_message: str | None = None, remote_traceback: str | None = None, log_dir: str | None = None,
-                 failures: dict[int, str] | None = None) -> None:
-        super().__init__(message)
-        self.rank = rank
-        self.exc_type = exc_type
-        self.exc_message = exc_message
-        self.remote_traceback = remote_traceback
-        self.log_dir = log_dir
-        self.failures = failures or {}
-
-    def _render_traceback_(self) -> list[str]:
-        # IPython shows this instead of the launcher's own frames: the worker's traceback is what matters.
-        return [f"{type(self).__name__}: {line}" if i == 0 else line for i, line in enumerate(str(self).splitlines())]
-
-
-class WorkerTimeout(WorkerError, TimeoutError):
-    """Workers did not finish in time. `unfinished_ranks` lists those still running;
-    `in_collective` maps those whose stack was inside torch.distributed to the function there."""
-
-    def __init__(self, message: str, unfinished_ranks: list[int], log_dir: str | None = None,
-                 in_collective: dict[int, str] | None = None) -> None:
-        super().__init__(message, log_dir=log_dir)
-        self.unfinished_ranks = unfinished_ranks
-        self.in_collective = in_collective or {}
 
 
 def launch(fn: Callable, world_size: int = 2, backend: str = "gloo", args: Sequence = (),
@@ -163,23 +131,24 @@ def spawn(fn: Callable, args: Sequence = (), nprocs: int = 1, join: bool = True,
     except WorkerError as exc:
         hint = _hint_for(fn, nprocs, spawned=True)(exc.exc_type, exc.exc_message)
         if hint:
-            exc.args = (_insert_hint(str(exc), hint),)
+            exc.args = (insert_hint(str(exc), hint),)
         raise
 
 
-def _call_with_rank(fn, *args):
+def _call_with_rank(fn: Callable, *args: Any) -> Any:
     """What `spawn` runs in each rank: mp.spawn's call, the rank first."""
     return fn(int(os.environ["RANK"]), *args)
 
 
-def _hint_for(fn, world_size, spawned=False):
+def _hint_for(fn: Callable, world_size: int, spawned: bool = False) -> Callable[[str | None, str | None], str]:
     """A function of (exception type, message) that returns the line saying how to pass `fn`'s
     positional arguments, when `fn` itself (not something it called) was called without them."""
     name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
     short = getattr(fn, "__name__", name)
 
-    def hint(exc_type, message):
-        if name is None or exc_type != "TypeError" or not (message or "").startswith(
+    def hint(exc_type: str | None, message: str | None) -> str:
+        message = message or ""
+        if name is None or exc_type != "TypeError" or not message.startswith(
                 f"{name}() missing ") or "required positional argument" not in message:
             return ""
         if spawned:
@@ -197,137 +166,25 @@ NO_WAY_OUT = ("Network is unreachable", "Temporary failure in name resolution", 
               "No address associated", "nodename nor servname")
 
 
-def _no_way_out(exc_type, message):
+def _no_way_out(exc_type: str | None, message: str | None) -> str:
     """The line for a rank that tried to reach the internet from its private network."""
     if any(words in (message or "") for words in NO_WAY_OUT) or exc_type in ("gaierror", "URLError"):
         return f"ranks have no network but their own: download in the notebook, or set {private_net.SWITCH}=0"
     return ""
 
 
-def _insert_hint(message, hint):
-    first, _, rest = message.partition("\n")
-    return f"{first}\n{hint}\n{rest}" if rest else f"{first}\n{hint}"
-
-
-# ---------------------------------------------------------------- input checks
-def check_world_size(world_size: int, name: str = "world_size") -> int:
-    if isinstance(world_size, bool) or not isinstance(world_size, int):
-        raise TypeError(f"{name} must be an int, got {world_size!r} ({type(world_size).__name__})")
-    if not 1 <= world_size <= MAX_WORLD_SIZE:
-        raise ValueError(f"{name} must be between 1 and {MAX_WORLD_SIZE} on one machine, got {world_size}"
-                         + (f". {NO_GPU_ZERO}" if world_size == 0 else ""))
-    return world_size
-
-
-# Where a 0 usually comes from: a tutorial's `world_size = torch.cuda.device_count()`.
-NO_GPU_ZERO = ("A 0 usually comes from torch.cuda.device_count() on a machine without a GPU: "
-               "use a number of CPU ranks instead, e.g. 2, with backend='gloo'")
-
-
-def check_seed(seed: int | None) -> int | None:
-    """None, or a whole number from 0 to MAX_SEED (each rank's torch seed is seed + rank)."""
-    if seed is None:
-        return None
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"seed must be None or a whole number, got {seed!r} ({type(seed).__name__})")
-    if not 0 <= seed <= MAX_SEED - MAX_WORLD_SIZE:
-        raise ValueError(f"seed must be between 0 and {MAX_SEED - MAX_WORLD_SIZE} (2**63 - 65), got {seed}")
-    return seed
-
-
-def resolve_backend(backend: str, world_size: int, env: dict | None = None) -> str:
-    """Check the backend name and, for "auto", pick NCCL only if every rank gets a GPU (of those
-    CUDA_VISIBLE_DEVICES leaves visible, in env= or this process's environment)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}: choose one of {', '.join(map(repr, BACKENDS))}")
-    if backend == "gloo":
-        return backend
-    gpus = len(gpu_leases.visible_gpus(env if isinstance(env, dict) else None))
-    if backend == "auto":
-        return "nccl" if compat.one_gpu_per_rank(world_size, gpus) else "gloo"
-    if backend == "nccl":
-        if not dist.is_nccl_available():
-            raise ValueError("backend='nccl' is not available in this torch build; use 'gloo'")
-        if not compat.one_gpu_per_rank(world_size, gpus):
-            raise ValueError(f"backend='nccl' needs one CUDA GPU per rank: world_size={world_size} "
-                             f"but this machine has {gpus} GPU(s). Use backend='gloo' or 'auto'.")
-    return backend
-
-
-def pickle_job(fn: Callable, args: Sequence, kwargs: dict | None) -> tuple[bytes, dict]:
-    """cloudpickle fn and its arguments now, so a bad one fails before any process starts.
-    Returns the bytes and the sources of the notebook cells their code comes from."""
-    if not callable(fn):
-        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-    if not isinstance(args, (tuple, list)):
-        raise TypeError(f"args must be a tuple, got {type(args).__name__}")
-    if kwargs is not None and not isinstance(kwargs, dict):
-        raise TypeError(f"kwargs must be a dict or None, got {type(kwargs).__name__}")
-    bad_keys = [k for k in (kwargs or {}) if not isinstance(k, str)]
-    if bad_keys:
-        raise TypeError(f"kwargs keys must be strings (they become keyword argument names), got {bad_keys!r}")
-    for what, value in (("the function", fn), ("args", tuple(args)), ("kwargs", kwargs or {})):
-        try:
-            dumps(value)
-        except Exception as exc:
-            raise TypeError(
-                f"cannot send {what} to the workers: {type(exc).__name__}: {exc}. Everything a "
-                "worker needs is pickled (with cloudpickle); open files, locks, sockets, "
-                "generators and live process groups cannot be. Create them inside the function."
-            ) from None
-    return dumps_with_sources((fn, tuple(args), kwargs or {}))
-
-
-def check_gpu_wait(seconds: float | None) -> float:
-    seconds = gpu_leases.default_wait() if seconds is None else seconds
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds <= MAX_TIMEOUT_S:
-        raise ValueError(f"gpu_wait must be a number of seconds from 0 to {MAX_TIMEOUT_S}, got {seconds!r}")
-    return float(seconds)
-
-
-def check_timeout(timeout: float) -> float:
-    if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-            or not 0 < timeout <= MAX_TIMEOUT_S):  # also rejects nan and inf
-        raise ValueError(f"timeout must be a positive number of seconds, at most {MAX_TIMEOUT_S} "
-                         f"({MAX_TIMEOUT_S // 86400} days), got {timeout!r}")
-    return float(timeout)
-
-
-def check_env(env: dict[str, str] | None) -> dict[str, str]:
-    """The extra environment for the ranks: strings only, and none of the variables the launcher
-    sets in each rank as torchrun does (one there made the ranks wait for ranks that never come)."""
-    env = dict(env or {})
-    bad = {k: v for k, v in env.items() if not isinstance(k, str) or not isinstance(v, str)}
-    if bad:
-        raise TypeError(f"env keys and values must be strings, got {bad!r}")
-    for name in env:
-        if name in TORCHRUN_VARIABLES or name.startswith("TORCHELASTIC_"):
-            raise ValueError(f"env={{{name!r}: ...}}: the launcher sets {name} in every rank, as torchrun "
-                             f"does ({_set_by_the_launcher(name)}); leave it out of env")
-    return env
-
-
-def _set_by_the_launcher(name):
-    if name.endswith("WORLD_SIZE"):
-        return "the number of ranks is world_size= (nprocs= for spawn, -n for %%ddp)"
-    if name.endswith("RANK"):
-        return "each rank gets its own, 0 to world_size - 1"
-    if name.startswith("MASTER_"):
-        return "each launch has a rendezvous store of its own, on a port the OS picks"
-    return "torchrun's own bookkeeping"
-
-
 # ------------------------------------------------------------- what happened
-def _outcome(ranks, timeout, quiet, hint=None):
+def _outcome(ranks: Supervisor, timeout: float, quiet: bool,
+             hint: Callable[[str | None, str | None], str] | None = None) -> list:
     """Wait for the ranks; return their results, or raise what went wrong."""
     run_dir, n = ranks.run_dir, ranks.world_size
 
-    def finished(rank):
+    def finished(rank: int) -> bool:
         return os.path.exists(rank_file(run_dir, rank, "result"))
 
-    seen_early = []
+    seen_early: list[float] = []
 
-    def left_early():
+    def left_early() -> list[int] | None:
         """init=False: a rank that returned without joining the process group, while the others
         began a rendezvous (keys in the store), makes them wait for it until their own timeout.
         After LEFT_EARLY_GRACE_S (their init may have a short timeout of its own) it is named."""
@@ -341,7 +198,8 @@ def _outcome(ranks, timeout, quiet, hint=None):
             return early
         return None
 
-    outcome, detail = ranks.wait_for_exits(time.monotonic() + timeout, finished=finished, check=left_early)
+    outcome, named = ranks.wait_for_exits(time.monotonic() + timeout, finished=finished, check=left_early)
+    detail = named or []   # the ranks that failed, or had not finished
     if outcome == "timeout":
         stacks = stacks_of(ranks, detail)
         ranks.stop()
@@ -360,7 +218,8 @@ def _outcome(ranks, timeout, quiet, hint=None):
     return [_read_result(run_dir, r) for r in range(n)]
 
 
-def _failure_error(run_dir, processes, failed, hint=None):
+def _failure_error(run_dir: str, processes: Sequence[Any], failed: list[int],
+                   hint: Callable[[str | None, str | None], str] | None = None) -> WorkerError:
     """The error naming the rank that failed first. When one rank dies or raises in a collective,
     its peers raise "Connection closed by peer" a moment later. So ranks that crashed or left
     early (no Python exception) come first, then ranks that raised an error of their own, then
@@ -372,11 +231,12 @@ def _failure_error(run_dir, processes, failed, hint=None):
     failures[first] = _describe_exit(run_dir, first, processes[first].exitcode, records[first])
     others = sorted(r for r in failures if r != first)
     note = f"other ranks then stopped: {others}" if others else ""
-    if records[first]:
-        error = error_from_record(first, records[first], run_dir, note, failures)
+    record = records[first]
+    if record is not None:
+        error = error_from_record(first, record, run_dir, note, failures)
         line = hint(error.exc_type, error.exc_message) if hint else ""
         if line:
-            error.args = (_insert_hint(str(error), line),)
+            error.args = (insert_hint(str(error), line),)
         return error
     tail = f"\n({note})" if note else ""
     return WorkerError(f"rank {first} {failures[first]}. Full logs: {run_dir}{tail}",
@@ -386,44 +246,26 @@ def _failure_error(run_dir, processes, failed, hint=None):
 PEER_WENT_AWAY = ("closed by peer", "reset by peer", "Broken pipe")   # Gloo's words for it
 
 
-def _lost_a_peer(record):
-    return bool(record) and any(words in record["message"] for words in PEER_WENT_AWAY)
+def _lost_a_peer(record: ErrorRecord | None) -> bool:
+    return record is not None and any(words in record.message for words in PEER_WENT_AWAY)
 
 
-def error_from_record(rank: int, record: dict, run_dir: str, note: str = "",
-                      failures: dict[int, str] | None = None) -> WorkerError:
-    """WorkerError for a rank that raised, from the record `describe_exception` made there."""
-    tail = f"\n({note})" if note else ""
-    message = (f"rank {rank} raised {record['type']}: {record['message']}\n\n"
-               f"--- traceback from rank {rank} ---\n{record['traceback']}"
-               f"full logs: {run_dir}{tail}")
-    return WorkerError(message, rank=rank, exc_type=record["type"], exc_message=record["message"],
-                       remote_traceback=record["traceback"], log_dir=run_dir, failures=failures)
-
-
-def _describe_exit(run_dir, rank, exitcode, record):
-    if record:
-        return f"raised {record['type']}: {record['message']}"
+def _describe_exit(run_dir: str, rank: int, exitcode: int | None, record: ErrorRecord | None) -> str:
+    if record is not None:
+        return f"raised {record.type}: {record.message}"
     if exitcode == 0 and os.path.exists(rank_file(run_dir, rank, "nogroup")):
         return ("returned without joining the process group, while the other ranks waited for it in "
                 f"init_process_group for {LEFT_EARLY_GRACE_S} s (with init=False every rank must call it)")
     if exitcode == 0:
         return "exited with code 0 before returning a value (sys.exit or os._exit inside the function?)"
+    if exitcode is None:
+        return "ended; its exit status did not arrive"
     return describe_exit(exitcode)
 
 
-# ---------------------------------------------------------------- timeouts
-def timeout_error(timeout: float, unfinished: list[int], stacks: dict[int, str], log_dir: str,
-                  **how) -> WorkerTimeout:
-    """The WorkerTimeout for ranks that had not finished after `timeout` seconds
-    (`runtime.stacks.describe_timeout` says what it says)."""
-    message, in_collective = describe_timeout(timeout, unfinished, stacks, log_dir, **how)
-    return WorkerTimeout(message, unfinished_ranks=unfinished, log_dir=log_dir, in_collective=in_collective)
-
-
-def _waiting_in_rendezvous(run_dir, ranks):
+def _waiting_in_rendezvous(run_dir: str, ranks: list[int]) -> dict[int, str]:
     """{rank: the address it waits on} for ranks that are inside init_process_group."""
-    found = {}
+    found: dict[int, str] = {}
     for r in ranks:
         try:
             with open(rank_file(run_dir, r, "rendezvous")) as f:
@@ -433,14 +275,15 @@ def _waiting_in_rendezvous(run_dir, ranks):
     return found
 
 
-def _read_error(run_dir, rank):
+def _read_error(run_dir: str, rank: int) -> ErrorRecord | None:
+    """The `ErrorRecord` a rank left (`rank_setup.report_error`), None if it left none."""
     try:
         with open(rank_file(run_dir, rank, "error"), "rb") as f:
-            return pickle.load(f)
+            return ErrorRecord.from_dict(pickle.load(f))
     except FileNotFoundError:
         return None
 
 
-def _read_result(run_dir, rank):
+def _read_result(run_dir: str, rank: int) -> Any:
     with open(rank_file(run_dir, rank, "result"), "rb") as f:
         return pickle.load(f)

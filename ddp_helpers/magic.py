@@ -83,19 +83,23 @@ from __future__ import annotations
 import argparse
 import contextlib
 import re
+from collections.abc import Iterator
+from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from .launcher import NO_GPU_ZERO, WorkerError, check_seed, check_timeout, check_world_size, launch, resolve_backend
+from .launch_checks import NO_GPU_ZERO, check_seed, check_timeout, check_world_size, resolve_backend
+from .launch_errors import WorkerError
+from .launcher import launch
 from .pool import Pool
 from .runtime.cells import PerRank, globals_to_send
 from .runtime.debug_session import answering, someone_to_ask
 from .runtime.output import output_sink
 from .runtime.rank_views import TabSink
 from .runtime.stacks import timeout_called
-from .runtime.worker import run_cell
+from .runtime.cell_exec import run_cell
 
 LINE_COMMANDS = ("start", "stop", "status", "push", "pull", "debug")
 
@@ -115,7 +119,9 @@ def _positive_int(text: str) -> int:
 def _seed(text: str) -> int:
     """--seed: a whole number, 0 or more (launch.check_seed's range)."""
     try:
-        return check_seed(int(text))
+        seed = int(text)
+        check_seed(seed)
+        return seed
     except (TypeError, ValueError) as exc:
         message = str(exc) if "seed must be" in str(exc) else f"seed must be a whole number, got {text!r}"
         raise argparse.ArgumentTypeError(message) from None
@@ -158,7 +164,7 @@ def _checked(opts: argparse.Namespace) -> argparse.Namespace:
 
 @magics_class
 class DDPMagics(Magics):
-    pool = None
+    pool: Pool | None = None
     _cells_run = 0
 
     @line_cell_magic
@@ -237,8 +243,8 @@ class DDPMagics(Magics):
             if DDPMagics.pool is not None:
                 DDPMagics.pool.stop()
                 DDPMagics.pool = None
-            DDPMagics.pool = Pool(world_size=opts.nprocs or 2, backend=opts.backend or "gloo", seed=opts.seed)
-            print(f"ddp pool: {DDPMagics.pool.world_size} ranks ready ({DDPMagics.pool.backend}). "
+            DDPMagics.pool = started = Pool(world_size=opts.nprocs or 2, backend=opts.backend or "gloo", seed=opts.seed)
+            print(f"ddp pool: {started.world_size} ranks ready ({started.backend}). "
                   "%%ddp cells now run on them; `%ddp stop` ends them.")
             return None
         pool = DDPMagics.pool
@@ -299,7 +305,7 @@ class DDPMagics(Magics):
 
 
 @contextlib.contextmanager
-def _hint_for_nested_spawn():
+def _hint_for_nested_spawn() -> Iterator[None]:
     """A cell whose code calls mp.spawn (a pasted script's main) would start ranks inside each rank:
     its error (the function cannot be pickled there) gets a line that says what to do instead."""
     try:
@@ -319,11 +325,11 @@ NESTED_SPAWN_HINT = ("mp.spawn inside a %%ddp cell would start ranks within each
                      "or call the function directly, e.g. {fn}(rank, world_size)")
 
 
-def register(ipython) -> None:
+def register(ipython: Any) -> None:
     ipython.register_magics(DDPMagics)
 
 
-def unregister(ipython) -> None:
+def unregister(ipython: Any) -> None:
     """Undo `register`: stop the warm pool, if one runs, and remove %ddp and %%ddp."""
     if DDPMagics.pool is not None:
         pool, DDPMagics.pool = DDPMagics.pool, None

@@ -28,20 +28,23 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Iterable
+from multiprocessing.connection import Connection
+from typing import Any, Literal, NoReturn
 
 import cloudpickle
 import psutil
 
-from .launcher import (WorkerError, check_env, check_gpu_wait, check_seed, check_timeout, check_world_size,
-                       error_from_record, resolve_backend, timeout_error)
+from .launch_checks import check_env, check_gpu_wait, check_seed, check_timeout, check_world_size, resolve_backend
+from .launch_errors import WorkerError, error_from_record, timeout_error
 from . import gpu_leases
 from .runtime.cells import PerRank, dumps, dumps_with_sources, globals_to_send
 from .runtime.debug_session import NO_ONE, answering
+from .runtime.error_record import ErrorRecord
 from .runtime.protocol import Call, Debug, Exec, Pull, Push, Reply, Request, Stop
 from .runtime.serve import serve
 from .runtime.stacks import stacks_of
 from .runtime.supervisor import Supervisor, describe_exit, interrupted
-from .runtime.worker import WorkerJob
+from .runtime.rank_setup import WorkerJob
 
 PG_TIMEOUT_S = 600       # collectives inside a cell; cells have their own timeout
 STUCK_AFTER_ERROR_S = 5  # after a rank raises, how long the others may take to finish
@@ -61,14 +64,16 @@ class Pool:
         self.env = check_env(env)
         self.start_timeout = check_timeout(start_timeout)
         self.seed = check_seed(seed)
-        self._ranks = None           # the Supervisor while running; None: stopped or discarded
-        self._conns = []
+        self._ranks: Supervisor | None = None   # while running; None: stopped or discarded
+        self._conns: list[Connection] = []
         self._stopped = False
-        self.run_dir = self.port = None
-        self.failed_ranks = []       # the ranks where the last cell (or run) raised: `debug`
-        self._errors, self._failed_gone = [], False
+        self.run_dir: str = ""              # the ranks' run folder, once they started
+        self.port: int | None = None
+        self.failed_ranks: list[int] = []   # the ranks where the last cell (or run) raised: `debug`
+        self._errors: list[int] = []
+        self._failed_gone = False
         self._broken = False         # some ranks were stopped after an error; the others stay for `debug`
-        self._stuck = []             # those stopped
+        self._stuck: list[int] = []  # those stopped
         self.backend, self.lease = gpu_leases.for_ranks(self.backend, backend, self.world_size,
                                                         check_gpu_wait(gpu_wait), self.env, "a warm pool")
         self.env = {**self.env, **self.lease.env}
@@ -121,7 +126,7 @@ class Pool:
                              f"({' or '.join(map(str, range(self.world_size)))})")
         return ranks
 
-    def run(self, fn: Callable, *args, timeout: float = 120, seed: int | None = None, **kwargs) -> list:
+    def run(self, fn: Callable, *args: Any, timeout: float = 120, seed: int | None = None, **kwargs: Any) -> list:
         """Call `fn(*args, **kwargs)` on every rank; return the results by rank. `timeout` and `seed`
         are the pool's own (as in `run_cell`), not passed to `fn`."""
         seed = check_seed(seed)
@@ -143,7 +148,7 @@ class Pool:
             raise ValueError(f"rank {rank} did not raise in the last cell (rank(s) {self.failed_ranks} did)")
         self._request(Debug(), timeout, ranks=[rank])
 
-    def push(self, **values) -> None:
+    def push(self, **values: Any) -> None:
         """Set variables in every rank's namespace. A value that cannot travel (a lock, an open
         file, a generator) is a TypeError naming it, and nothing is sent."""
         self._request(Push(values), timeout=60)
@@ -177,7 +182,7 @@ class Pool:
     def __enter__(self) -> Pool:
         return self
 
-    def __exit__(self, *exc) -> bool:
+    def __exit__(self, *exc: object) -> Literal[False]:
         self.stop()
         return False
 
@@ -186,7 +191,7 @@ class Pool:
         return f"Pool(world_size={self.world_size}, backend={self.backend!r}, {state})"
 
     # ------------------------------------------------------------ internals
-    def _cell(self, request, timeout, ranks=None):
+    def _cell(self, request: Request, timeout: float, ranks: list[int] | None = None) -> list:
         """A cell or a call: which ranks raised in it is kept for `debug`."""
         self.failed_ranks, self._errors, self._failed_gone = [], [], False
         try:
@@ -194,7 +199,7 @@ class Pool:
         finally:
             self.failed_ranks = self._errors if self._ranks is not None else []
             self._failed_gone = bool(self._errors) and self._ranks is None
-    def _start(self):
+    def _start(self) -> None:
         n = self.world_size
         ranks = Supervisor(n, quiet=False, env=self.env)
         pipes = [multiprocessing.Pipe() for _ in range(n)]
@@ -247,7 +252,7 @@ class Pool:
             raise interrupted(f"the ranks were stopped while the request was being sent; {RESET}.") from None
         return self._collect(timeout, what="debug" if isinstance(request, Debug) else "cell", ranks=ranks)
 
-    def _replace_dead_ranks(self):
+    def _replace_dead_ranks(self) -> None:
         """A rank that died while idle (killed, out of memory): say so, and drop the pool."""
         if self._ranks is None:
             return
@@ -263,7 +268,7 @@ class Pool:
         raise on any failure."""
         ranks = list(range(self.world_size)) if ranks is None else ranks
         replies: dict[int, Reply] = {}
-        errors_at = []
+        errors_at: list[float] = []
 
         def take(rank: int, message: Reply) -> float | None:
             replies[rank] = message
@@ -272,9 +277,9 @@ class Pool:
                 return time.monotonic() + STUCK_AFTER_ERROR_S
             return None
 
-        supervisor = self._ranks
+        supervisor = self._supervisor
         try:
-            outcome, detail = supervisor.wait_for_replies(time.monotonic() + timeout, on_reply=take,
+            outcome, named = supervisor.wait_for_replies(time.monotonic() + timeout, on_reply=take,
                                                           replies={r: self._conns[r] for r in ranks},
                                                           stopped=frozenset(self._stuck))
         except KeyboardInterrupt:
@@ -282,6 +287,7 @@ class Pool:
                 raise interrupted("the debugging session was ended; the rank keeps its variables.") from None
             self._discard()
             raise interrupted(f"the ranks were stopped (a collective may have been cut half-way); {RESET}.") from None
+        detail = named or []   # the ranks that failed, or had not answered
         if outcome == "failed":
             supervisor.output.drain()
             how = "; ".join(f"rank {r} {describe_exit(supervisor.processes[r].exitcode)}" for r in detail)
@@ -306,29 +312,30 @@ class Pool:
                 self._discard()
             first = errors[0]
             note = f"ranks {errors[1:]} raised too" if len(errors) > 1 else ""
-            raise error_from_record(first, replies[first].error, self.run_dir, note)
+            raise error_from_record(first, _record(replies[first]), self.run_dir, note)
         return [cloudpickle.loads(replies[r].value) for r in ranks]
 
-    def _end_debugging(self, ranks, wait_s=5):
+    def _end_debugging(self, ranks: list[int], wait_s: float = 5) -> bool:
         """After an Interrupt during `debug` (no collective runs): end the rank's pdb session (it hears
         that no one answers any more, or gets the Interrupt itself) and wait for its reply. Whether
         it came: the rank is idle again, and the pool stays."""
-        self._ranks.debug.close_sessions()
+        self._supervisor.debug.close_sessions()
         try:
             with answering(NO_ONE):   # pdb's own loop takes an Interrupt as a command, and asks again
-                outcome, _ = self._ranks.wait_for_replies(time.monotonic() + wait_s, stopped=frozenset(self._stuck),
-                                                          replies={r: self._conns[r] for r in ranks})
+                outcome, _ = self._supervisor.wait_for_replies(time.monotonic() + wait_s,
+                                                               stopped=frozenset(self._stuck),
+                                                               replies={r: self._conns[r] for r in ranks})
         except KeyboardInterrupt:
             return False
         return outcome == "done"
 
-    def _give_up_timeout(self, unfinished, timeout, name=None):
-        stacks = stacks_of(self._ranks, unfinished)
+    def _give_up_timeout(self, unfinished: list[int], timeout: float, name: str | None = None) -> NoReturn:
+        stacks = stacks_of(self._supervisor, unfinished)
         self._discard()
         raise timeout_error(timeout, unfinished, stacks, self.run_dir, name=name,
                             after=f"The ranks were stopped; {RESET}.")
 
-    def _give_up_stuck(self, replies, stuck):
+    def _give_up_stuck(self, replies: dict[int, Reply], stuck: list[int]) -> NoReturn:
         """Ranks still running after another raised, waiting for it in a collective: they are
         stopped now; the ranks that raised stay, for `debug`, until the next request (not `debug`),
         which starts fresh ranks."""
@@ -336,17 +343,24 @@ class Pool:
         first = self._errors[0]
         for r in stuck:
             with contextlib.suppress(OSError):
-                os.kill(self._ranks.processes[r].pid, signal.SIGKILL)
+                os.kill(self._supervisor.processes[r].pid, signal.SIGKILL)
         for r in stuck:
-            self._ranks.processes[r].join(5)
+            self._supervisor.processes[r].join(5)
         self._broken, self._stuck = True, stuck
         raise error_from_record(
-            first, replies[first].error, self.run_dir,
+            first, _record(replies[first]), self.run_dir,
             note=f"rank(s) {stuck} were still running {STUCK_AFTER_ERROR_S} s later, probably waiting for "
                  f"rank {first} in a collective, so they were stopped; rank {first} stays for `%ddp debug` "
                  f"until the next cell, which starts fresh ranks (their variables are reset)")
 
-    def _discard(self):
+    @property
+    def _supervisor(self) -> Supervisor:
+        """The running ranks' Supervisor (a request starts them first)."""
+        if self._ranks is None:
+            raise RuntimeError("the pool's ranks are not running")
+        return self._ranks
+
+    def _discard(self) -> None:
         """Stop every worker now and free the port; the next request starts new ones."""
         ranks, conns = self._ranks, self._conns
         self._ranks, self._conns, self._broken, self._stuck = None, [], False, []
@@ -357,11 +371,18 @@ class Pool:
             ranks.close()
 
 
-def _notice(text):
+def _notice(text: str) -> None:
     """Information, not an error: stdout (errors alone go to stderr, shown in red), flushed now so
     that it comes before the output the ranks print next."""
     sys.stderr.flush()
     print(f"ddp pool: {text}", flush=True)
+
+
+def _record(reply: Reply) -> ErrorRecord:
+    """The ErrorRecord of a reply that says it failed."""
+    if reply.error is None:
+        raise ValueError("this reply is no error")
+    return reply.error
 
 
 def _message(request: Request) -> bytes:
@@ -387,7 +408,7 @@ def _cannot_send(request: Request, exc: Exception) -> TypeError:
                      "groups cannot be. Make them in the ranks instead (in a %%ddp cell). Nothing was sent.")
 
 
-def _resident_mib(pid):
+def _resident_mib(pid: int) -> float | None:
     try:
         return round(psutil.Process(pid).memory_info().rss / 2**20, 1)
     except psutil.Error:

@@ -40,23 +40,28 @@ DDP_HELPERS_TUTORIAL_CODE=0 (`runtime.tutorial_ranks`):
 
 `disable()` undoes all of it: in the kernel at once, and in ranks started afterwards.
 """
+from __future__ import annotations
+
 import functools
 import inspect
+import multiprocessing
 import os
 import sys
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch.multiprocessing
 
-from .runtime.tutorial_ranks import SWITCH, enabled, install_in_rank  # noqa: F401 (worker calls tutorials.install_in_rank)
+from .runtime.tutorial_ranks import SWITCH, enabled  # noqa: F401 (the ranks' side: runtime.tutorial_ranks)
 
 SPAWN_TIMEOUT_S = 3600                 # mp.spawn has no timeout; the Interrupt button stops the ranks
-_spawn_module = sys.modules["torch.multiprocessing.spawn"]
+_spawn_module: Any = sys.modules["torch.multiprocessing.spawn"]
 _ORIGINAL = {"spawn": torch.multiprocessing.spawn, "Process": torch.multiprocessing.Process,
              "set_start_method": torch.multiprocessing.set_start_method}
 
 
 # ------------------------------------------------------------------ the kernel's side
-def enable():
+def enable() -> None:
     """Run tutorial code as written in this kernel (see the module docstring)."""
     os.environ.pop(SWITCH, None)
     torch.multiprocessing.spawn = _spawn_module.spawn = spawn_from_cell
@@ -65,7 +70,7 @@ def enable():
     _watch_cells()
 
 
-def disable():
+def disable() -> None:
     """Put torch.multiprocessing back as torch ships it, and leave the ranks' init_process_group alone."""
     os.environ[SWITCH] = "0"
     torch.multiprocessing.spawn = _spawn_module.spawn = _ORIGINAL["spawn"]
@@ -73,7 +78,8 @@ def disable():
     torch.multiprocessing.set_start_method = _ORIGINAL["set_start_method"]
 
 
-def spawn_from_cell(fn, args=(), nprocs=1, join=True, daemon=False, start_method="spawn"):
+def spawn_from_cell(fn: Callable, args: Sequence = (), nprocs: int = 1, join: bool = True, daemon: bool = False,
+                    start_method: str = "spawn") -> None:
     """`torch.multiprocessing.spawn`, for a function that may be defined in the notebook."""
     from .launcher import spawn
     if not join:
@@ -89,23 +95,23 @@ def spawn_from_cell(fn, args=(), nprocs=1, join=True, daemon=False, start_method
     return None
 
 
-def set_start_method(method, force=False):
+def set_start_method(method: str | None, force: bool = False) -> None:
     """Does nothing: `mp.Process` and `mp.spawn` start their ranks from ddp_helpers' fork server
     whatever the start method (and the kernel's own DataLoaders keep theirs). torch's would raise
     "context has already been set" when the tutorial's cell runs again."""
     return None
 
 
-_REAL_PROCESS = _ORIGINAL["Process"]   # multiprocessing's own class (torch.multiprocessing re-exports it)
+_REAL_PROCESS = multiprocessing.Process   # multiprocessing's own class (torch.multiprocessing re-exports it)
 
 
 class _ProcessType(type):
-    def __instancecheck__(cls, obj):
+    def __instancecheck__(cls, obj: object) -> bool:
         # every process of multiprocessing's own class is an `mp.Process`, as it is without the shim
         return type.__instancecheck__(cls, obj) or (cls is Process and isinstance(obj, _REAL_PROCESS))
 
 
-class Process(_REAL_PROCESS, metaclass=_ProcessType):
+class Process(multiprocessing.Process, metaclass=_ProcessType):
     """What `mp.Process` is after `enable()`: multiprocessing's own Process, except for a tutorial's rank.
 
     At `start()` it looks at what the process will run. If that forms a process group (the target, a
@@ -117,17 +123,22 @@ class Process(_REAL_PROCESS, metaclass=_ProcessType):
     a Pipe) starts at once as multiprocessing's own Process, and is one from then on.
     """
 
-    _group_state = None   # None: an ordinary process; "started" (waiting for its group) or "done": a rank
-    _group_exitcode = None
-    _error = None
+    _group_state: str | None = None   # None: an ordinary process; "started" (waiting for its group) or "done": a rank
+    _group_exitcode: int | None = None
+    _error: BaseException | None = None
+    # multiprocessing's own attributes, set by its __init__ (its type stubs leave them out)
+    _popen: Any
+    _target: Any
+    _args: tuple
+    _kwargs: dict[str, Any]
 
-    def start(self):
+    def start(self) -> None:
         if self._group_state is not None or self._popen is not None:
             raise AssertionError("cannot start a process twice")
         forms_group = type(self).run is not _REAL_PROCESS.run or self._target is not None
         if not (forms_group and _forms_a_group(self)):
             if type(self) is Process:
-                self.__class__ = _REAL_PROCESS   # torch's own from here on, in this process and the child
+                self.__class__ = _REAL_PROCESS   # type: ignore[assignment]  # torch's own from here on, in this process and the child
             return _REAL_PROCESS.start(self)
         unreachable = _cannot_reach_a_rank((self._target, self._args, self._kwargs))
         if unreachable:
@@ -143,7 +154,7 @@ class Process(_REAL_PROCESS, metaclass=_ProcessType):
         _waiting.append(self)
         return None
 
-    def join(self, timeout=None):
+    def join(self, timeout: float | None = None) -> None:
         """For a rank: run the group this process belongs to (if it has not run yet) and wait for it,
         whatever the timeout. If a rank failed, the first join() raises its WorkerError."""
         if self._group_state is None:
@@ -154,18 +165,18 @@ class Process(_REAL_PROCESS, metaclass=_ProcessType):
             raise error
         return None
 
-    def is_alive(self):
+    def is_alive(self) -> bool:
         if self._group_state is None:
             return _REAL_PROCESS.is_alive(self)
         return self._group_state == "started"
 
     @property
-    def exitcode(self):
+    def exitcode(self) -> int | None:
         if self._group_state is None:
-            return _REAL_PROCESS.exitcode.fget(self)
+            return super().exitcode
         return self._group_exitcode
 
-    def terminate(self):
+    def terminate(self) -> None:
         if self._group_state is None:
             return _REAL_PROCESS.terminate(self)
         if self in _waiting:
@@ -173,26 +184,26 @@ class Process(_REAL_PROCESS, metaclass=_ProcessType):
             self._group_state, self._group_exitcode = "done", -15
         return None
 
-    def kill(self):
+    def kill(self) -> None:
         if self._group_state is None:
             return _REAL_PROCESS.kill(self)
         return self.terminate()
 
-    def close(self):
+    def close(self) -> None:
         if self._group_state is None:
             return _REAL_PROCESS.close(self)
         return None
 
-    def _describe(self):
+    def _describe(self) -> str:
         name = getattr(self._target, "__qualname__", None) or type(self).__name__ + ".run"
         return f"mp.Process(target={name}, ...)"
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         if self._group_state is None:
             return _REAL_PROCESS.__repr__(self)
         return f"<Process name={self.name!r} rank {self._group_state} exitcode={self._group_exitcode}>"
 
-    def __getstate__(self):
+    def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         if self._group_state is not None:   # a rank, on its way to ddp_helpers' worker: no authkey
             state.pop("_error", None)
@@ -207,18 +218,18 @@ GROUP_STRINGS = frozenset({"MASTER_ADDR", "MASTER_PORT"})
 _LIBRARIES = ("torch.", "multiprocessing.", "concurrent.")   # their functions are never a tutorial's rank
 
 
-def _forms_a_group(process):
+def _forms_a_group(process: Process) -> bool:
     """Will this process form a process group? Looks at the code of its target (or its own run()),
     of the functions in its args, and of the functions of the same module that they call."""
     if process._target is None:
         roots = [type(process).run]
     else:
         roots = [process._target, *process._args, *process._kwargs.values()]
-    seen = set()
+    seen: set[int] = set()
     return any(_calls_group(root, seen, depth=4) for root in roots)
 
 
-def _calls_group(fn, seen, depth):
+def _calls_group(fn: Any, seen: set[int], depth: int) -> bool:
     while isinstance(fn, functools.partial):
         fn = fn.func
     fn = getattr(fn, "__func__", fn)   # a bound method
@@ -246,7 +257,7 @@ def _calls_group(fn, seen, depth):
                and module_globals[name].__globals__ is module_globals)
 
 
-def _cannot_reach_a_rank(value):
+def _cannot_reach_a_rank(value: object) -> str | None:
     """'a Pipe end', 'a Queue', ... for what `value` would send to a rank (in it, or in the closures and
     globals of its functions, as cloudpickle sends them) that only works between a parent and its
     own child: None if nothing. (cloudpickle would send a Pipe end as its bare file descriptor.)"""
@@ -256,14 +267,14 @@ def _cannot_reach_a_rank(value):
         pass
 
     class Finder(cloudpickle.CloudPickler):
-        def reducer_override(self, obj):
+        def reducer_override(self, obj: Any) -> Any:
             words = _parent_child_only(obj)
             if words:
                 raise Found(words)
             return super().reducer_override(obj)
 
     class Discard:
-        def write(self, data):
+        def write(self, data: bytes) -> int:
             return len(data)
 
     try:
@@ -275,7 +286,7 @@ def _cannot_reach_a_rank(value):
     return None
 
 
-def _parent_child_only(obj):
+def _parent_child_only(obj: object) -> str | None:
     import multiprocessing.connection
     import multiprocessing.managers
     import multiprocessing.queues
@@ -294,10 +305,10 @@ def _parent_child_only(obj):
     return None
 
 
-_waiting = []   # Process objects started and not yet run
+_waiting: list[Process] = []   # Process objects started and not yet run
 
 
-def _run_waiting():
+def _run_waiting() -> None:
     """Start the processes started so far as one group of ranks, wait for them, note the outcome."""
     from .launcher import WorkerError, launch
     group = list(_waiting)
@@ -321,12 +332,12 @@ def _run_waiting():
         process._group_state, process._group_exitcode = "done", 0
 
 
-def _run_process(group):
+def _run_process(group: list[Process]) -> None:
     """What each rank runs: its own process's run()."""
     group[int(os.environ["RANK"])].run()
 
 
-def _watch_cells():
+def _watch_cells() -> None:
     """Processes started in a cell that never joins them run when the cell ends."""
     try:
         from IPython import get_ipython
@@ -338,7 +349,7 @@ def _watch_cells():
     shell.events.register("post_run_cell", _after_cell)
 
 
-def _after_cell(result=None):
+def _after_cell(result: object = None) -> None:
     if _waiting:
         group = list(_waiting)
         _run_waiting()

@@ -3,10 +3,12 @@
 - Every `ddp_helpers` name the notebooks, README and site use can be imported (paths learners type;
   `python -m ddp_helpers.train` and `python -m ddp_helpers.bench` run in test_train and test_bench).
 - No module is over 450 lines; every package is listed in pyproject.toml.
-- The reference trainer imports nothing from the launch machinery (its source is read in notebook 06).
+- The reference trainer imports nothing from the launch machinery (its source is read in notebook 06),
+  nor does `import ddp_helpers` outside a Jupyter kernel.
+- The imports have no circle, and none goes back up (scripts/import_graph.py draws them).
 """
-import ast
 import importlib
+import importlib.util
 import json
 import os
 import re
@@ -112,49 +114,58 @@ def test_every_package_is_listed_in_pyproject():
     assert found == listed
 
 
-def _imports_of(path):
-    """The ddp_helpers modules a module imports (relative or absolute), as file paths."""
-    tree = ast.parse(open(path).read())
-    here = os.path.dirname(path)
-    found = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = here
-                for _ in range(node.level - 1):
-                    base = os.path.dirname(base)
-                parts = node.module.split(".") if node.module else []
-            elif node.module and node.module.split(".")[0] == "ddp_helpers":
-                base, parts = REPO, node.module.split(".")
-            else:
-                continue
-            target = os.path.join(base, *parts)
-            candidates = [target + ".py"] + [os.path.join(target, a.name + ".py") for a in node.names]
-            found += [c for c in candidates if os.path.isfile(c)]
-            if os.path.isfile(os.path.join(target, "__init__.py")) and target != PACKAGE:  # imported anyway
-                found.append(os.path.join(target, "__init__.py"))
-    return found
+def _drawing():
+    """scripts/import_graph.py: the package's own imports, read with ast."""
+    spec = importlib.util.spec_from_file_location("import_graph", os.path.join(REPO, "scripts", "import_graph.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["import_graph"] = module   # dataclasses look their module up while the class is made
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_imports_have_no_circle_and_none_goes_back_up():
+    graph = _drawing()
+    drawing = graph.draw(REPO)
+    assert len(drawing.rooms) > 50 and drawing.floors > 3, graph.report(drawing)   # the drawing sees the package
+    assert drawing.circles == [], graph.report(drawing)
+    assert drawing.closing == [], graph.report(drawing)   # nor one that a function-level import would close
+    assert drawing.back_up == [], graph.report(drawing)
+    # One import at call time stays: machine.report() (notebooks call it) prints the GPU leases too.
+    later = sorted((a.source, a.target) for a in drawing.back_up_later)
+    assert later in ([], [("ddp_helpers.machine", "ddp_helpers.gpu_leases")]), graph.report(drawing)
 
 
 def test_the_trainer_imports_nothing_from_the_launch_machinery():
-    seen, todo = set(), [os.path.join(PACKAGE, "train.py")]
-    while todo:
-        path = todo.pop()
-        if path not in seen:
-            seen.add(path)
-            todo += _imports_of(path)
-    names = sorted(os.path.relpath(p, PACKAGE) for p in seen)
-    machinery = [n for n in names if n.startswith("runtime") or n in ("launcher.py", "pool.py", "magic.py")]
-    assert not machinery, f"train.py reaches {machinery} (all it imports: {names})"
+    """What importing ddp_helpers.train runs, the package's own __init__ included (importing a.b runs a
+    first): module-level imports, read with ast."""
+    loaded = _drawing().reach("ddp_helpers.train", REPO)
+    assert "ddp_helpers" in loaded   # the package's __init__ is followed
+    machinery = sorted(n for n in loaded if n.startswith("ddp_helpers.runtime")
+                       or n in ("ddp_helpers.launcher", "ddp_helpers.pool", "ddp_helpers.magic"))
+    assert not machinery, f"train.py reaches {machinery} (all it imports: {sorted(loaded)})"
 
 
 @pytest.mark.parametrize("name, not_loaded", [
     ("ddp_helpers.speed.cuda_graph", ["ddp_helpers.train"]),
-    # torchrun -m ddp_helpers.train on a GPU cluster: no launcher, no IPython
-    ("ddp_helpers.train", ["ddp_helpers.launcher", "ddp_helpers.runtime.supervisor", "IPython"])])
+    # torchrun -m ddp_helpers.train on a GPU cluster: no launcher, no fork server, no IPython
+    ("ddp_helpers.train", ["ddp_helpers.launcher", "ddp_helpers.runtime", "ddp_helpers.runtime.forkserver",
+                           "ddp_helpers.runtime.supervisor", "IPython"]),
+    # the package itself, outside a Jupyter kernel: nothing of the launch machinery until it is used
+    ("ddp_helpers", ["ddp_helpers.launcher", "ddp_helpers.runtime", "ddp_helpers.runtime.forkserver"])])
 def test_a_module_loads_only_what_it_needs(name, not_loaded):
     code = f"import sys, {name}; print(sorted(m for m in sys.modules if m.startswith(('ddp_helpers.', 'IPython'))))"
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    env = {k: v for k, v in os.environ.items() if k != "DDP_HELPERS_EARLY_FORKSERVER"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr
     loaded = eval(done.stdout)
     assert [m for m in not_loaded if m in loaded] == [], loaded
+
+
+def test_c10d_operator_names_have_one_home():
+    """runtime.c10d_names says what the c10d operators are called; the spies and rank_io ask it."""
+    from ddp_helpers.exercises import spies
+    from ddp_helpers.runtime import c10d_names, rank_io
+    assert spies.collective_name is c10d_names.collective_name and rank_io.called_as is c10d_names.called_as
+    spelled = [os.path.relpath(p, REPO) for p in _modules()
+               if re.search(r"""["']_allgather_base["']|replace\(["']allgather["']""", open(p).read())]
+    assert spelled == ["ddp_helpers/runtime/c10d_names.py"], spelled

@@ -21,7 +21,7 @@ from ddp_helpers import magic as magic_module
 from ddp_helpers import pool as pool_module
 from ddp_helpers.pool import Pool
 from ddp_helpers.runtime import run_dirs as run_dirs_module
-from ddp_helpers.runtime.worker import run_cell
+from ddp_helpers.runtime.cell_exec import run_cell
 
 
 def run_dirs():

@@ -180,7 +180,7 @@ def test_a_display_line_after_unfinished_text_or_a_progress_line():
 
 
 def test_a_trailing_semicolon_hides_the_cells_value_as_in_ipython():
-    from ddp_helpers.runtime.worker import exec_cell
+    from ddp_helpers.runtime.cell_exec import exec_cell
     assert exec_cell("x = 3\nx;  # hidden\n", {}, "<semicolon-1>") is None
     assert exec_cell("x = 3\nx", {}, "<semicolon-2>") == 3
     assert exec_cell("s = 'a;'\ns", {}, "<semicolon-3>") == "a;"

@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..runtime.c10d_names import collective_name  # noqa: F401 (collective_log takes it from here)
+
 # Every collective a learner may reach for, and the point-to-point calls (names vary across torch
 # versions: the spies skip names the installed torch does not have).
 COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
@@ -207,13 +209,6 @@ def recording_p2p() -> Iterator[list]:
 
 
 # ---- below torch.distributed's Python functions: a dispatch mode --------------------------------
-
-def collective_name(schema_name: str) -> str:
-    """'c10d::allgather_into_tensor_coalesced_' -> 'all_gather', 'c10d::_reduce_scatter_base_' ->
-    'reduce_scatter', 'c10d::allreduce_' -> 'all_reduce'."""
-    op = schema_name[len("c10d::"):].strip("_").replace("allgather", "all_gather").replace("allreduce", "all_reduce")
-    return op.replace("_base", "").replace("_into_tensor_coalesced", "").replace("_coalesced", "")
-
 
 def _tensors(value) -> list[torch.Tensor]:
     if isinstance(value, torch.Tensor):

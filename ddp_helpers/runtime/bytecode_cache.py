@@ -72,9 +72,9 @@ def use() -> str | None:
         folder = default_folder()
     else:
         folder = os.path.abspath(os.path.expanduser(choice))
-    folder = private_folder(folder)
-    if folder is None:
+    private = private_folder(folder)
+    if private is None:
         return None
-    sys.pycache_prefix = folder
+    sys.pycache_prefix = private
     sys.dont_write_bytecode = False            # for this process and its ranks only
-    return folder
+    return private

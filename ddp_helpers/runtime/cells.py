@@ -8,8 +8,13 @@
   what the ranks sent, and a value with a richer view (an image, HTML, a figure: `rank_io.Shown`)
   is displayed as such, after a `[rank N]` line.
 
-The worker side (executing a cell) is `worker.exec_cell`.
+- `to_cpu`: a rank's value with its tensors moved to the CPU, so that reading it never initialises
+  CUDA in the notebook kernel.
+
+The rank's side (executing a cell) is `cell_exec.exec_cell`.
 """
+from __future__ import annotations
+
 import builtins
 import io
 import linecache
@@ -17,8 +22,11 @@ import os
 import pickle
 import sys
 import types
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import cloudpickle
+import torch
 
 from .rank_io import Shown
 
@@ -32,12 +40,12 @@ class PerRank(list):
     """One value per rank, shown as `[rank N] value` lines. `ranks`: the rank of each value (all of
     them in order, unless the cell ran on some ranks only: `%%ddp --ranks`)."""
 
-    def __init__(self, values=(), ranks=None):
+    def __init__(self, values: Iterable[Any] = (), ranks: Iterable[int] | None = None) -> None:
         super().__init__(values)
         self.ranks = list(range(len(self))) if ranks is None else list(ranks)
 
     @classmethod
-    def of(cls, values, ranks=None):
+    def of(cls, values: Sequence[Any], ranks: Iterable[int] | None = None) -> PerRank | None:
         """What a %%ddp cell returns for the ranks' last values: None when every one is None."""
         if all(v is None for v in values):
             return None
@@ -49,22 +57,22 @@ class PerRank(list):
         rich.bundles = bundles
         return rich
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return "\n".join(f"[rank {r}] {_indent(repr(v))}" for r, v in zip(self._labels(), self))
 
-    def _labels(self):
+    def _labels(self) -> Sequence[int]:
         ranks = self.__dict__.get("ranks")   # a PerRank pickled before it had ranks, or appended to
         return ranks if ranks is not None and len(ranks) == len(self) else range(len(self))
 
-    def _repr_pretty_(self, printer, cycle):
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
         printer.text(repr(self))
 
 
 class _RichPerRank(PerRank):
     """PerRank whose values include some with a rich view: each is displayed after `[rank N]`."""
-    bundles = {}   # position -> (data, metadata)
+    bundles: dict[int, tuple[dict, dict]] = {}   # position -> (data, metadata)
 
-    def _ipython_display_(self):
+    def _ipython_display_(self) -> None:
         from IPython.display import display
         for i, (rank, value) in enumerate(zip(self._labels(), self)):
             if i in self.bundles:
@@ -75,17 +83,18 @@ class _RichPerRank(PerRank):
                 print(f"[rank {rank}] {_indent(repr(value))}", flush=True)
 
 
-def _indent(text):
+def _indent(text: str) -> str:
     return text.replace("\n", "\n" + " " * 9)
 
 
-def names_used(source):
+def names_used(source: str) -> set[str]:
     """Every global name the cell's code (and code nested in it) may read."""
     try:
         code = compile(source, "<cell>", "exec")
     except SyntaxError:
         return set()
-    names, todo = set(), [code]
+    names: set[str] = set()
+    todo = [code]
     while todo:
         c = todo.pop()
         names.update(c.co_names)
@@ -93,7 +102,8 @@ def names_used(source):
     return names
 
 
-def globals_to_send(source, user_ns, warn=None):
+def globals_to_send(source: str, user_ns: dict[str, Any],
+                    warn: Callable[[str], None] | None = None) -> dict[str, Any]:
     """The notebook variables the cell uses that can travel (cloudpickle) to the workers."""
     sent = {}
     for name in sorted(names_used(source)):
@@ -110,7 +120,7 @@ def globals_to_send(source, user_ns, warn=None):
     return sent
 
 
-def _warn(message):
+def _warn(message: str) -> None:
     print(message, file=sys.stderr)
 
 
@@ -119,11 +129,11 @@ class _Pickler(cloudpickle.Pickler):
     "<dynamic-code>"), so a worker's traceback can show the notebook line it points at.
     `code_files`: the file names of the code it pickled by value."""
 
-    def __init__(self, file, **options):
+    def __init__(self, file: io.BytesIO, **options: Any) -> None:
         super().__init__(file, **options)
-        self.code_files = set()
+        self.code_files: set[str] = set()
 
-    def reducer_override(self, obj):
+    def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, types.CodeType):
             self.code_files.add(obj.co_filename)
             reduce_code = getattr(cloudpickle.cloudpickle, "_code_reduce", None)
@@ -133,11 +143,11 @@ class _Pickler(cloudpickle.Pickler):
         return super().reducer_override(obj)
 
 
-def dumps(obj):
+def dumps(obj: object) -> bytes:
     return dumps_with_sources(obj)[0]
 
 
-def dumps_with_sources(obj):
+def dumps_with_sources(obj: object) -> tuple[bytes, dict[str, tuple]]:
     """(pickled obj, {file name: linecache entry} of the notebook cells its code was written in).
     A cell's code has a file name that exists only in linecache."""
     buffer = io.BytesIO()
@@ -147,3 +157,14 @@ def dumps_with_sources(obj):
                if name in linecache.cache and len(linecache.cache[name]) == 4 and not os.path.exists(name)}
     return buffer.getvalue(), sources
 
+
+def to_cpu(value: Any) -> Any:
+    """Move tensors in (nested) lists, tuples and dicts to the CPU, so that
+    reading results never initialises CUDA in the notebook kernel."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(to_cpu(v) for v in value)
+    if isinstance(value, dict):
+        return {k: to_cpu(v) for k, v in value.items()}
+    return value

@@ -18,6 +18,8 @@ While a person is being asked, the run's timeout clock stands still (`take_pause
 spent at the prompt is added to the deadline. An Interrupt at the prompt raises KeyboardInterrupt
 out of the wait, which ends the run as an Interrupt always does (the ranks are stopped).
 """
+from __future__ import annotations
+
 import contextlib
 import json
 import multiprocessing.connection
@@ -25,15 +27,18 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable, Iterator, Sequence
+from multiprocessing.connection import Connection
+from typing import Any
 
 from .rank_pdb import KERNEL_CELL
 
-_answers = []   # a stack of command lists (answering)
+_answers: list[Sequence[str] | None] = []   # a stack of command lists (answering)
 NO_ONE = ("no one",)   # answering(NO_ONE): every prompt hears that no one answers
 
 
 @contextlib.contextmanager
-def answering(commands):
+def answering(commands: Sequence[str] | None) -> Iterator[None]:
     """Answer the ranks' pdb prompts with `commands` (a list of lines; None: ask the person)."""
     _answers.append(commands if commands is None or commands is NO_ONE else list(commands))
     try:
@@ -45,12 +50,12 @@ def answering(commands):
 class DebugServer:
     """The socket a run's ranks reach the kernel's pdb prompt through. See the module docstring."""
 
-    def __init__(self, run_dir):
-        self.conns = []
-        self.current = None   # the connection of the rank whose pdb session is going on
-        self._waiting = []    # (connection, message) read and not yet taken up
-        self.path = os.path.join(run_dir, "pdb.sock")
-        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    def __init__(self, run_dir: str) -> None:
+        self.conns: list[Connection] = []
+        self.current: Connection | None = None   # the connection of the rank whose pdb session is going on
+        self._waiting: list[tuple[Connection, list]] = []   # (connection, message) read and not yet taken up
+        self.path: str | None = os.path.join(run_dir, "pdb.sock")
+        self.listener: socket.socket | None = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self.listener.bind(self.path)
             os.chmod(self.path, 0o600)
@@ -63,12 +68,12 @@ class DebugServer:
             self.close()
             raise
         self.paused_s = 0.0
-        self._queues = {}   # rank -> (pdb stop number, commands left)
+        self._queues: dict[int, tuple[int, list[str]]] = {}   # rank -> (pdb stop number, commands left)
 
-    def fds(self):
+    def fds(self) -> list[Any]:
         return [self.listener, *self.conns] if self.listener is not None else []
 
-    def serve(self, ready, before_printing):
+    def serve(self, ready: list[Any], before_printing: Callable[[], None]) -> None:
         """Take up what is ready among `fds()`: new ranks, their output and prompts.
         `before_printing()` prints what the ranks wrote before (their pipes)."""
         if self.listener is not None and self.listener in ready:
@@ -100,7 +105,7 @@ class DebugServer:
             before_printing()
             self._take(*mine[0])
 
-    def _take(self, conn, message):
+    def _take(self, conn: Connection, message: list) -> None:
         kind, rank, text, stop, mode = message
         commands = _answers[-1] if _answers else None
         if commands is NO_ONE:
@@ -116,14 +121,14 @@ class DebugServer:
             line = self._answer(rank, stop, mode)
             self._reply(conn, ("line", line) if line is not None else ("nobody", None))
 
-    def _reply(self, conn, *messages):
+    def _reply(self, conn: Connection, *messages: tuple[str, str | None]) -> None:
         try:
             for message in messages:
                 conn.send_bytes(json.dumps(message).encode())
         except OSError:   # the rank is gone
             self._drop(conn)
 
-    def _answer(self, rank, stop, mode):
+    def _answer(self, rank: int, stop: int, mode: str) -> str | None:
         commands = _answers[-1] if _answers else None
         prompt = f"[rank {rank}] (Pdb) "
         if commands is not None:
@@ -139,12 +144,12 @@ class DebugServer:
         finally:
             self.paused_s += time.monotonic() - started
 
-    def take_paused(self):
+    def take_paused(self) -> float:
         """Seconds spent waiting for a person since the last call (the run's clock stood still)."""
         paused, self.paused_s = self.paused_s, 0.0
         return paused
 
-    def _drop(self, conn):
+    def _drop(self, conn: Connection) -> None:
         if self.current is conn:
             self.current = None
         self._waiting = [w for w in self._waiting if w[0] is not conn]
@@ -152,27 +157,28 @@ class DebugServer:
             self.conns.remove(conn)
             conn.close()
 
-    def close_sessions(self):
+    def close_sessions(self) -> None:
         """End every rank's connection: a rank at a prompt hears that no one answers, and goes on."""
         for conn in list(self.conns):
             self._drop(conn)
 
-    def close(self):
+    def close(self) -> None:
         self.close_sessions()
         if self.listener is not None:
             self.listener.close()
+        if self.path is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
 
 
-def _well_formed(message):
+def _well_formed(message: object) -> bool:
     """[kind, rank, pdb's output, stop number, mode], as `rank_pdb` sends it."""
     return (isinstance(message, list) and len(message) == 5 and message[0] in ("ask", "out")
             and isinstance(message[1], int) and isinstance(message[2], str)
             and message[4] in ("breakpoint", "post-mortem"))
 
 
-def _print(rank, text):
+def _print(rank: int, text: str) -> None:
     if not text:
         return
     sys.stderr.flush()
@@ -180,7 +186,7 @@ def _print(rank, text):
     print("\n".join(f"[rank {rank}] {line}" for line in lines.split("\n")), flush=True)
 
 
-def someone_to_ask():
+def someone_to_ask() -> bool:
     """Whether input() can reach a person: a Jupyter kernel whose cell allows stdin, or a terminal."""
     shell = _ipython()
     kernel = getattr(shell, "kernel", None)
@@ -189,7 +195,7 @@ def someone_to_ask():
     return sys.stdin is not None and sys.stdin.isatty()
 
 
-def _ask_person(prompt):
+def _ask_person(prompt: str) -> str | None:
     """The person's answer, or None when there is no one to ask here."""
     if not someone_to_ask():
         return None
@@ -203,7 +209,7 @@ def _ask_person(prompt):
         raise
 
 
-def _ipython():
+def _ipython() -> Any:
     if "IPython" not in sys.modules:
         return None
     return sys.modules["IPython"].get_ipython()

@@ -5,11 +5,15 @@ ranks write into named pipes in the run folder (`worker`), and each rank's full 
 Where the lines go is a *sink*: the cell (`CellSink`), or per-rank tabs (`rank_views.TabSink`,
 for `%%ddp --tabs`), set for a block of code with `output_sink`.
 """
+from __future__ import annotations
+
 import contextlib
 import json
 import os
 import re
 import sys
+from collections.abc import Iterable, Iterator
+from typing import Any, IO
 
 from .rank_io import MARK
 from .run_dirs import rank_file
@@ -22,6 +26,10 @@ _READS_AT_CLOSE = 16   # what is left in the pipes is read at the end (a writer 
 # connection. Harmless (it then uses the number): kept in the log, not shown in the cell.
 _UNANSWERABLE_LOOKUP = re.compile(r"socket\.cpp:\d+\] \[c10d\] The hostname of the client socket cannot "
                                   r"be retrieved\. err=-3\n?$")
+
+
+# what one read prints: {"stdout" or "stderr": [(rank, a piece of text or a display)]}
+_Printed = dict[str, list[tuple[int, "str | _Display"]]]
 
 
 class OutputPump:
@@ -38,12 +46,13 @@ class OutputPump:
     `sink=`, or the one `output_sink(sink)` sets for a block of code, or `CellSink` (print, display).
     """
 
-    def __init__(self, run_dir, world_size, quiet, sink=None):
+    def __init__(self, run_dir: str, world_size: int, quiet: bool, sink: Any = None) -> None:
         self.quiet = quiet
         self.sink = sink
-        self.streams = {}     # fd -> _Stream
-        self.logs = {}
-        self._open_line = {"stdout": None, "stderr": None}   # the stream whose line is unfinished there
+        self.streams: dict[int, _Stream] = {}
+        self.logs: dict[int, IO[bytes]] = {}
+        # the stream whose line is unfinished there
+        self._open_line: dict[str, _Stream | None] = {"stdout": None, "stderr": None}
         for rank in range(world_size):
             self.logs[rank] = open(rank_file(run_dir, rank, "log"), "ab")
             for dest in ("stdout", "stderr"):
@@ -52,12 +61,14 @@ class OutputPump:
                 fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
                 self.streams[fd] = _Stream(rank, dest)
 
-    def fds(self):
+    def fds(self) -> list[int]:
         return list(self.streams)
 
-    def read(self, ready):
+    def read(self, ready: Iterable[Any]) -> int:
         """Read what is waiting on the given fds, print it; return the number of bytes read."""
-        total, printed, touched = 0, {"stdout": [], "stderr": []}, set()
+        total = 0
+        printed: _Printed = {"stdout": [], "stderr": []}
+        touched: set[int] = set()
         for fd in ready:
             stream = self.streams.get(fd)
             if stream is None:
@@ -79,23 +90,24 @@ class OutputPump:
         self._print(printed)
         return total
 
-    def _print(self, printed):
+    def _print(self, printed: _Printed) -> None:
         if self.quiet:
             return
         sink = self.sink or (_sinks[-1] if _sinks else CellSink)
         for dest, pieces in printed.items():
-            text = []
-            for rank, piece in pieces + [(None, None)]:
+            text: list[tuple[int, str]] = []
+            for rank, piece in pieces:
                 if isinstance(piece, str):
                     text.append((rank, piece))
                     continue
                 if text:
                     sink.write(dest, text)
                     text = []
-                if piece is not None:
-                    sink.display(rank, piece.data, piece.metadata)
+                sink.display(rank, piece.data, piece.metadata)
+            if text:
+                sink.write(dest, text)
 
-    def _take(self, stream, pieces, printed):
+    def _take(self, stream: _Stream, pieces: list[tuple[str | _Display, bytes]], printed: _Printed) -> None:
         for shown, logged in pieces:
             self.logs[stream.rank].write(logged)
             if not shown or (isinstance(shown, str) and _UNANSWERABLE_LOOKUP.search(shown)):
@@ -103,17 +115,17 @@ class OutputPump:
             owner = self._open_line[stream.dest]
             if owner is not None and isinstance(shown, _Display):
                 printed[stream.dest].append((owner.rank, "\n"))   # end an open progress line first
-            elif owner is not None and owner is not stream:
+            elif owner is not None and owner is not stream and isinstance(shown, str):
                 if not shown.startswith("\r"):
                     shown = "\n" + shown   # another rank's progress line is open: start a new one
             printed[stream.dest].append((stream.rank, shown))
             self._open_line[stream.dest] = None if isinstance(shown, _Display) or shown.endswith("\n") else stream
 
-    def end_lines(self):
+    def end_lines(self) -> None:
         """End every unfinished line (a prompt, `print(..., end="")`) now, so that it is shown with
         this cell's output rather than joined to the next cell's first line (a warm pool's ranks
         outlive the cell)."""
-        printed = {"stdout": [], "stderr": []}
+        printed: _Printed = {"stdout": [], "stderr": []}
         for stream in self.streams.values():
             if stream.sending_display():
                 continue   # a rank's display still on its way (a thread of a warm pool's rank) comes later
@@ -121,17 +133,17 @@ class OutputPump:
             stream.after_cr = False
         self._print(printed)
 
-    def drain(self):
+    def drain(self) -> None:
         """Print everything the workers have written so far."""
         while self.read(self.fds()):
             pass
 
-    def close(self):
+    def close(self) -> None:
         """Print what is left (a display cut off by its rank's end is one line), close the pipes."""
         for _ in range(_READS_AT_CLOSE):
             if not self.read(self.fds()):
                 break
-        printed = {"stdout": [], "stderr": []}
+        printed: _Printed = {"stdout": [], "stderr": []}
         for fd, stream in self.streams.items():
             self._take(stream, stream.finish(), printed)
             os.close(fd)
@@ -146,14 +158,14 @@ class CellSink:
     display a rank's mime bundle after a `[rank N]` line (its text alone outside IPython)."""
 
     @staticmethod
-    def write(dest, pieces):
+    def write(dest: str, pieces: list[tuple[int, str]]) -> None:
         """pieces: [(rank, text with its `[rank N] ` prefixes)], in order."""
         out = sys.stdout if dest == "stdout" else sys.stderr
         out.write("".join(text for _, text in pieces))
         out.flush()
 
     @staticmethod
-    def display(rank, data, metadata):
+    def display(rank: int, data: dict[str, Any], metadata: dict[str, Any]) -> None:
         shell = sys.modules.get("IPython") and sys.modules["IPython"].get_ipython()
         if shell is None or not any(key != "text/plain" for key in data):
             text = data.get("text/plain", "").replace("\n", "\n" + " " * len(f"[rank {rank}] "))
@@ -164,11 +176,11 @@ class CellSink:
         display(data, metadata=metadata, raw=True)
 
 
-_sinks = []   # set by output_sink, innermost last
+_sinks: list[Any] = []   # set by output_sink, innermost last
 
 
 @contextlib.contextmanager
-def output_sink(sink):
+def output_sink(sink: Any) -> Iterator[Any]:
     """Send the output of the ranks started or run in this block to `sink` (see CellSink)."""
     _sinks.append(sink)
     try:
@@ -180,11 +192,11 @@ def output_sink(sink):
 class _Display:
     """A mime bundle a rank sent on its stdout."""
 
-    def __init__(self, data, metadata):
+    def __init__(self, data: dict[str, Any], metadata: dict[str, Any]) -> None:
         self.data, self.metadata = data, metadata
 
     @classmethod
-    def parse(cls, segment):
+    def parse(cls, segment: bytes) -> _Display | None:
         """The bundle a marked line carries, or None for a line of text."""
         if not segment.startswith(_MARK):
             return None
@@ -214,17 +226,18 @@ class _Stream:
     Each read looks only at its own bytes for line ends (and for a display's mark), and the
     unfinished piece grows in place: a line of any length is read in time linear in its length."""
 
-    def __init__(self, rank, dest):
+    def __init__(self, rank: int, dest: str) -> None:
         self.rank, self.dest = rank, dest
         self.prefix = f"[rank {rank}] "
         self.pending = bytearray()   # the unfinished piece
         self.mark_at = -1            # where a display's mark starts in it (-1: none yet)
-        self.skipping = None         # a display over DISPLAY_LIMIT, passed over: [its first bytes, its size]
+        self.skipping: list | None = None   # a display over DISPLAY_LIMIT, passed over: [its first bytes, its size]
         self.after_cr = False        # the unfinished piece redraws the line a `\r` started
 
-    def feed(self, data):
+    def feed(self, data: bytes) -> list[tuple[str | _Display, bytes]]:
         """[(text to show, bytes to log)] for what `data` completes; a redrawn line is shown at once."""
-        pieces, start = [], 0
+        pieces: list[tuple[str | _Display, bytes]] = []
+        start = 0
         if self.skipping is not None:
             end = _LINE_ENDS.search(data)
             if end is None:
@@ -251,7 +264,7 @@ class _Stream:
                 pieces.append((f"\r{self.prefix}{self._text(redrawn)}", b""))
         return pieces
 
-    def _grow(self, data):
+    def _grow(self, data: bytes) -> list[tuple[str | _Display, bytes]]:
         """Add to the unfinished piece; a display that grows past DISPLAY_LIMIT is passed over from
         here on (the text before it is shown as a line)."""
         searched = max(0, len(self.pending) - len(_MARK) + 1)
@@ -266,15 +279,15 @@ class _Stream:
         self.after_cr = False
         return [self._piece(before, b"\n")] if before else []
 
-    def _clear(self):
+    def _clear(self) -> None:
         self.pending = bytearray()
         self.mark_at = -1
 
-    def sending_display(self):
+    def sending_display(self) -> bool:
         """Is a display message on its way (its mark read, not yet its end)?"""
         return self.skipping is not None or self.mark_at >= 0
 
-    def finish(self):
+    def finish(self) -> list[tuple[str | _Display, bytes]]:
         """What is left when the stream ends. A display cut off there is one line, never its text."""
         if self.skipping is not None:
             head, size = self.skipping
@@ -286,12 +299,12 @@ class _Stream:
         self._clear()
         return self._pieces(segment, b"\n", cut=True)
 
-    def _passed_over(self, head, size):
+    def _passed_over(self, head: bytes, size: int) -> tuple[str, bytes]:
         return self._not_shown(head, f"of {size / 1e6:.1f} MB was not shown: larger than the "
                                      f"{DISPLAY_LIMIT / 1e6:g} MB limit for one display; save it to a file "
                                      "instead (plt.savefig, Image.save) and show a smaller one")
 
-    def _not_shown(self, head, why):
+    def _not_shown(self, head: bytes, why: str) -> tuple[str, bytes]:
         """One line instead of a display: `head` (its first bytes) says what it held."""
         kinds = [k.decode() for k in _MIME_KEY.findall(head) if k != b"text/plain"]
         images = [k for k in kinds if k.startswith("image/")]
@@ -301,7 +314,7 @@ class _Stream:
         self.after_cr = False
         return line, line.encode()
 
-    def _pieces(self, segment, end, cut=False):
+    def _pieces(self, segment: bytes, end: bytes, cut: bool = False) -> list[tuple[str | _Display, bytes]]:
         """A line that carries a display: the text before its mark (a line left unfinished), then
         the display. A marked line that is not a whole display (cut off, or other output written
         into it) is one line saying so, never its text."""
@@ -321,7 +334,7 @@ class _Stream:
         self.after_cr = False
         return pieces + [(shown, f"[display: {', '.join(shown.data)}]\n".encode())]
 
-    def _piece(self, segment, end):
+    def _piece(self, segment: bytes, end: bytes) -> tuple[str | _Display, bytes]:
         text = self._text(segment)
         if end == b"\r":
             shown = f"\r{self.prefix}{text}" if self.after_cr else f"{self.prefix}{text}"
@@ -338,5 +351,5 @@ class _Stream:
         return shown, segment + b"\n"
 
     @staticmethod
-    def _text(segment):
+    def _text(segment: bytes) -> str:
         return segment.decode("utf-8", "replace")

@@ -18,6 +18,8 @@ notebook first (the course's data code does), or turn this off with DDP_HELPERS_
 Where Linux refuses (another OS, a container that forbids namespaces), the ranks share the
 machine's loopback as before, and the first launch says so in one line.
 """
+from __future__ import annotations
+
 import ctypes
 import ctypes.util
 import fcntl
@@ -25,6 +27,7 @@ import os
 import socket
 import struct
 import sys
+from typing import NoReturn
 
 SWITCH = "DDP_HELPERS_PRIVATE_NET"     # "0": the ranks use the machine's own network
 CLONE_NEWUSER = 0x10000000
@@ -32,11 +35,11 @@ CLONE_NEWNET = 0x40000000
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 
 
-def wanted():
+def wanted() -> bool:
     return os.environ.get(SWITCH, "1") != "0"
 
 
-def enter():
+def enter() -> str | None:
     """Move this process into a new network namespace with loopback up. Returns None when done, or
     the reason it could not (the process is then unchanged). Call it while the process has one thread."""
     if not wanted():
@@ -61,7 +64,7 @@ def enter():
     return None
 
 
-def loopback_up(name=b"lo"):
+def loopback_up(name: bytes = b"lo") -> None:
     """`ip link set lo up`, as the ioctl that ip makes: a new namespace's loopback starts down."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         request = struct.pack("16sH14s", name, 0, b"")
@@ -69,12 +72,12 @@ def loopback_up(name=b"lo"):
         fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sH14s", name, flags | IFF_UP, b""))
 
 
-def _write(path, text):
+def _write(path: str, text: str) -> None:
     with open(path, "w") as f:
         f.write(text)
 
 
-def _give_up(reason):
+def _give_up(reason: str) -> NoReturn:
     """A namespace we cannot use: this process must not go on in it (its ranks could not reach each
     other), and it cannot leave it. The fork server exits; the launcher then says why."""
     print(f"ddp_helpers: {reason}; set {SWITCH}=0 to run the ranks on the machine's network",

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Union
 
+from .error_record import ErrorRecord
+
 
 @dataclasses.dataclass
 class Exec:
@@ -60,13 +62,13 @@ class Reply:
     """A rank's answer to a request (or, first, to its start: whether it sees its collectives).
 
     value:        the result, pickled (`cells.dumps`), when the request succeeded;
-    error:        `worker.describe_exception`'s record of what it raised, when it failed;
+    error:        the `ErrorRecord` of what it raised, when it failed;
     group_alive:  False once a cell destroyed the process group (the kernel then replaces the ranks);
     has_children: whether the rank has child processes now, so that the kernel looks for what the
                   ranks started only then (`Supervisor.note_started_processes`).
     """
     value: bytes = b""
-    error: dict | None = None
+    error: ErrorRecord | None = None
     group_alive: bool = True
     has_children: bool = False
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import random
 import sys
+from typing import Any
 
 import torch
 
@@ -43,7 +44,7 @@ def reseed(rank: int, seed: int | None) -> int:
     return torch_seed
 
 
-def _numpy():
+def _numpy() -> Any:
     """NumPy, imported if it can be (a seeded run must seed it even before the learner imports it)."""
     try:
         import numpy

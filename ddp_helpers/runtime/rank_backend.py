@@ -4,6 +4,8 @@ labelled with the rank, then closes it, as Jupyter's inline backend does in a ke
 
 It follows matplotlib's interface for third-party backends: FigureCanvas, FigureManager, show.
 """
+from typing import Any
+
 from matplotlib.backend_bases import FigureManagerBase
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 
@@ -13,6 +15,6 @@ FigureCanvas = FigureCanvasAgg
 FigureManager = FigureManagerBase
 
 
-def show(*args, **kwargs):
+def show(*args: Any, **kwargs: Any) -> None:
     """plt.show(): show the open figures in the notebook cell, then close them."""
     show_figures()

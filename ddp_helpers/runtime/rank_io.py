@@ -15,14 +15,19 @@
   recv) that needs a rank outside the cell's ranks: those ranks never join, and the cell would
   wait until its timeout.
 
-`setup()` is called once in every rank, by `worker.setup_worker_process`.
+`setup()` is called once in every rank, by `rank_setup.setup_worker_process`.
 """
+from __future__ import annotations
+
 import base64
 import builtins
 import contextlib
 import json
 import os
 import sys
+from collections.abc import Iterable, Iterator
+from types import TracebackType
+from typing import Any
 
 try:   # in the fork server, PRELOAD imports worker: free here. Without IPython, ranks still show text.
     import IPython.core.display_functions  # noqa: F401
@@ -30,6 +35,7 @@ except ImportError:
     pass
 
 from . import PACKAGE_DIR
+from .c10d_names import called_as
 
 BACKEND = "module://ddp_helpers.runtime.rank_backend"
 # A rank's stdout line that carries a mime bundle, not text: MARK + JSON.
@@ -40,7 +46,7 @@ class NoStdin(EOFError):
     """`input()` in a rank: ranks have no stdin."""
 
 
-def setup():
+def setup() -> None:
     """In a rank, once: matplotlib draws for the notebook, `display` shows there, `input` refuses."""
     if os.environ.get("MPLBACKEND", "") in ("", "inline") or "matplotlib_inline" in os.environ["MPLBACKEND"]:
         os.environ["MPLBACKEND"] = BACKEND   # read when matplotlib is imported (a kernel sets the inline one)
@@ -54,10 +60,10 @@ def setup():
         pass
     # A kernel has `display` among its builtins (IPython puts it there): a function written in a
     # notebook cell calls it without importing it, and cloudpickle does not send builtins along.
-    builtins.display = display
+    builtins.display = display  # type: ignore[attr-defined]
 
 
-def _no_input(prompt=""):
+def _no_input(prompt: object = "") -> str:
     asked = f"input({str(prompt)!r})" if prompt else "input()"
     raise NoStdin(f"ranks have no stdin: nobody can answer {asked} in a rank.\n"
                   "Read the value in the notebook first (a %%ddp cell takes the notebook variables it\n"
@@ -65,10 +71,10 @@ def _no_input(prompt=""):
 
 
 # ------------------------------------------------------------------ display
-_formatter = None
+_formatter: Any = None
 
 
-def _display_formatter():
+def _display_formatter() -> Any:
     global _formatter
     if _formatter is None:
         try:
@@ -91,8 +97,8 @@ class PlainFormatter:
                "image/png": "_repr_png_", "image/jpeg": "_repr_jpeg_", "text/latex": "_repr_latex_",
                "application/json": "_repr_json_"}
 
-    def format(self, obj):
-        data = {"text/plain": repr(obj)}
+    def format(self, obj: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        data: dict[str, Any] = {"text/plain": repr(obj)}
         for mime, method in self.METHODS.items():
             try:
                 value = getattr(obj, method)() if callable(getattr(obj, method, None)) else None
@@ -109,18 +115,18 @@ class PlainFormatter:
         return data, {}
 
 
-def mime_bundle(obj):
+def mime_bundle(obj: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """(data, metadata) as a kernel would show `obj`, binary data base64-encoded (as Jupyter keeps it)."""
     data, metadata = _display_formatter().format(obj)
     data = {k: base64.b64encode(v).decode("ascii") if isinstance(v, bytes) else v for k, v in data.items()}
     return data, metadata
 
 
-def is_rich(data):
+def is_rich(data: dict[str, Any]) -> bool:
     return any(key != "text/plain" for key in data)
 
 
-def display(*objs, raw=False, metadata=None, **_):
+def display(*objs: Any, raw: bool = False, metadata: dict[str, Any] | None = None, **_: Any) -> None:
     """IPython's `display`, in a rank: each object is shown in the notebook cell, after `[rank N]`."""
     for obj in objs:
         if raw:
@@ -131,13 +137,13 @@ def display(*objs, raw=False, metadata=None, **_):
         send_bundle(data, meta)
 
 
-def send_bundle(data, metadata=None):
+def send_bundle(data: dict[str, Any], metadata: dict[str, Any] | None = None) -> None:
     """Write one mime bundle on stdout (the file descriptor: the kernel's pipe, whatever sys.stdout
     is now), in order with what the rank printed before."""
     line = (MARK + json.dumps({"data": data, "metadata": metadata or {}}, default=str) + "\n").encode()
     for stream in (sys.stdout, sys.__stdout__):
         try:
-            stream.flush()
+            stream.flush()  # type: ignore[union-attr]
         except (AttributeError, OSError, ValueError):
             pass
     view = memoryview(line)
@@ -145,7 +151,7 @@ def send_bundle(data, metadata=None):
         view = view[os.write(1, view):]
 
 
-def show_figures():
+def show_figures() -> None:
     """Show every open pyplot figure, then close it (what Jupyter's inline backend does at the end
     of a cell): when this rank draws with `rank_backend`."""
     pyplot = sys.modules.get("matplotlib.pyplot")
@@ -159,11 +165,11 @@ def show_figures():
 class Shown:
     """A cell's last value that has a rich view (an image, HTML, a figure): the value, and its bundle."""
 
-    def __init__(self, value, data, metadata):
+    def __init__(self, value: Any, data: dict[str, Any], metadata: dict[str, Any]) -> None:
         self.value, self.data, self.metadata = value, data, metadata
 
 
-def last_value(value):
+def last_value(value: Any) -> Any:
     """What a `%%ddp` cell gives back for its last value: the value itself, or a `Shown` when it has a
     richer view than text (a figure is shown once: it is closed, not shown again with the open ones)."""
     if value is None:
@@ -192,7 +198,7 @@ class CollectiveOutsideRanks(RuntimeError):
 
 
 @contextlib.contextmanager
-def only_ranks(ranks):
+def only_ranks(ranks: Iterable[int]) -> Iterator[None]:
     """A context in which a collective (or send/recv) that needs a rank outside `ranks` raises
     CollectiveOutsideRanks before it starts. A TorchDispatchMode sees the `c10d.*` operators that
     torch.distributed's collectives dispatch to. The error's traceback ends at the learner's line."""
@@ -204,7 +210,7 @@ def only_ranks(ranks):
         raise
 
 
-def _end_at_user_code(tb):
+def _end_at_user_code(tb: TracebackType | None) -> None:
     """Cut a traceback after its deepest frame outside torch and ddp_helpers."""
     import torch
     library = (os.path.dirname(torch.__file__), PACKAGE_DIR)
@@ -217,13 +223,13 @@ def _end_at_user_code(tb):
         last_user.tb_next = None
 
 
-def _only_ranks_mode(ranks):
+def _only_ranks_mode(ranks: Iterable[int]) -> Any:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     allowed = set(ranks)
 
     class OnlyRanks(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
             if getattr(func, "namespace", None) in _COMMUNICATION:
                 needed = _ranks_needed(func, args, kwargs or {})
                 if needed is not None and not needed <= allowed:
@@ -233,7 +239,7 @@ def _only_ranks_mode(ranks):
     return OnlyRanks()
 
 
-def collectives_visible():
+def collectives_visible() -> bool:
     """Does `only_ranks` see this torch's collectives? (It does on torch 2.14: they dispatch to
     c10d operators.) Call it on every rank at once: where the mode does not see it, the probe's
     all_reduce of a zero really runs, and completes, since every rank makes it."""
@@ -245,7 +251,7 @@ def collectives_visible():
         pass
 
     class Probe(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
             if getattr(func, "namespace", None) in _COMMUNICATION:
                 raise Seen
             return func(*args, **(kwargs or {}))
@@ -259,7 +265,7 @@ def collectives_visible():
     return False
 
 
-def _ranks_needed(func, args, kwargs):
+def _ranks_needed(func: Any, args: tuple, kwargs: dict[str, Any]) -> set[int] | None:
     """The global ranks a c10d operator needs: its group's ranks, or the one peer of a send/recv.
     None: no group among its arguments (not a communication)."""
     import torch
@@ -288,17 +294,8 @@ def _ranks_needed(func, args, kwargs):
     return set(members)
 
 
-# c10d operator -> the torch.distributed function learners call
-_CALLED_AS = {"allreduce": "all_reduce", "allgather": "all_gather", "allgather_into_tensor_coalesced":
-              "all_gather_into_tensor", "_allgather_base": "all_gather_into_tensor",
-              "reduce_scatter": "reduce_scatter", "_reduce_scatter_base": "reduce_scatter_tensor",
-              "alltoall": "all_to_all", "alltoall_base": "all_to_all_single", "recv": "recv",
-              "recv_any_source": "recv (from any source)"}
-
-
-def _outside_message(func, needed, allowed):
-    name = func._schema.name.split("::")[-1].rstrip("_")
-    name = _CALLED_AS.get(name, name)
+def _outside_message(func: Any, needed: set[int], allowed: set[int]) -> str:
+    name = called_as(func._schema.name)
     missing = sorted(needed - allowed)
     who = f"rank {missing[0]} too, which does" if len(missing) == 1 else f"ranks {missing} too, which do"
     return (f"{name} in a --ranks cell (ranks {sorted(allowed)}):\n"

@@ -17,6 +17,8 @@ learner's line (`input()`, the kernel's stdin channel), or with commands given u
   waiting): one line `breakpoint() at FILE:LINE: no one to answer here; continuing`, and the rank
   continues. `PYTHONBREAKPOINT=0` disables `breakpoint()` as it always does.
 """
+from __future__ import annotations
+
 import itertools
 import json
 import os
@@ -26,7 +28,9 @@ import sys
 import sysconfig
 import threading
 from datetime import timedelta
-from multiprocessing.connection import Client
+from multiprocessing.connection import Client, Connection
+from types import FrameType, TracebackType
+from typing import IO, Any, cast
 
 from . import PACKAGE_DIR
 
@@ -36,13 +40,13 @@ _LIBRARY = tuple({PACKAGE_DIR, sysconfig.get_paths()["stdlib"], sysconfig.get_pa
                   sysconfig.get_paths()["platlib"]})
 # a notebook cell's code file in ipykernel (/tmp/ipykernel_<pid>/<hash>.py): its pid changes each run
 KERNEL_CELL = re.compile(r"\S*ipykernel_\d+/\d+\.py")
-_channel = {"conn": None, "pid": None}
+_channel: dict[str, Any] = {"conn": None, "pid": None}
 _session = threading.Lock()   # one pdb session at a time in a rank (threads may break too)
-_skipped = {}                 # dist.breakpoint(skip=...): calls seen per calling line
+_skipped: dict[tuple, int] = {}   # dist.breakpoint(skip=...): calls seen per calling line
 _stop_ids = itertools.count(1)   # each stop at a pdb prompt in this rank: the kernel's commands start again
 
 
-def install():
+def install() -> None:
     """In a rank, once: `breakpoint()` and `dist.breakpoint` stop here, with the prompt in the cell."""
     import torch.distributed as dist
     sys.breakpointhook = _breakpointhook
@@ -50,7 +54,7 @@ def install():
     os.register_at_fork(after_in_child=_forget_channel)
 
 
-def _breakpointhook(*args, **kwargs):
+def _breakpointhook(*args: Any, **kwargs: Any) -> Any:
     hook = os.environ.get("PYTHONBREAKPOINT", "")
     if hook == "0":
         return None
@@ -59,7 +63,7 @@ def _breakpointhook(*args, **kwargs):
     set_trace(sys._getframe(1), "breakpoint()")
 
 
-def dist_breakpoint(rank: int = 0, skip: int = 0, timeout_s: float | None = 3600):
+def dist_breakpoint(rank: int = 0, skip: int = 0, timeout_s: float | None = 3600) -> None:
     """torch.distributed.breakpoint, with the prompt in the cell: stop rank `rank`, then every rank
     waits in a barrier until it goes on. `q` there continues too, so the others never stay stuck
     in the barrier. `skip`: ignore the first `skip` calls from this line. `timeout_s`: the groups'
@@ -84,7 +88,7 @@ def dist_breakpoint(rank: int = 0, skip: int = 0, timeout_s: float | None = 3600
     dist.barrier()
 
 
-def set_trace(frame, what="breakpoint()", now=False):
+def set_trace(frame: FrameType, what: str = "breakpoint()", now: bool = False) -> None:
     """Stop in `frame`: at its next line (as pdb.set_trace does), or `now`, at the line it is on
     (dist.breakpoint: before its barrier, which would otherwise be stepped into first)."""
     if not _session.acquire(blocking=False):
@@ -100,7 +104,7 @@ def set_trace(frame, what="breakpoint()", now=False):
         _session.release()
 
 
-def post_mortem(exc):
+def post_mortem(exc: BaseException) -> None:
     """pdb in the frames of `exc`'s traceback, at the deepest frame of the learner's code."""
     with _session:
         debugger = RankPdb("post-mortem", "post-mortem")
@@ -108,21 +112,23 @@ def post_mortem(exc):
         debugger.interaction(None, exc.__traceback__)
 
 
-def _plumbing(frame):
+def _plumbing(frame: FrameType) -> bool:
     return frame.f_code.co_filename.startswith(_LIBRARY)
 
 
 class RankPdb(pdb.Pdb):
     """pdb whose stdin and stdout are the kernel: see the module docstring."""
 
-    def __init__(self, mode, what):
-        self.mode, self.what, self.stops, self.nobody, self.called_at = mode, what, 0, False, None
+    def __init__(self, mode: str, what: str) -> None:
+        self.mode, self.what, self.stops, self.nobody = mode, what, 0, False
+        self.called_at: str | None = None
         self.rank = int(os.environ.get("RANK", "0"))
-        super().__init__(stdin=_Input(self), stdout=_Output(), nosigint=True, readrc=False,
-                         skip=["ddp_helpers.*"])
+        self.output = _Output()
+        super().__init__(stdin=cast(IO[str], _Input(self)), stdout=cast(IO[str], self.output), nosigint=True,
+                         readrc=False, skip=["ddp_helpers.*"])
         self.prompt = "(Pdb) "
 
-    def setup(self, f, tb):
+    def setup(self, f: FrameType | None, tb: TracebackType | None) -> Any:
         stop = super().setup(f, tb)
         # the frames of the launcher's plumbing (forkserver, serve, exec_cell) are not the learner's
         first = 0
@@ -142,19 +148,19 @@ class RankPdb(pdb.Pdb):
         self.curframe_locals = self.curframe.f_locals
         return stop
 
-    def interaction(self, frame, traceback):
+    def interaction(self, frame: FrameType | None, traceback: Any) -> None:
         self.stops = next(_stop_ids)
         try:
             super().interaction(frame, traceback)
         finally:
-            text = self.stdout.take()
+            text = self.output.take()
             if not self.nobody:   # the end of this stop: the kernel may take up another rank's prompt
                 _send(("out", self.rank, text, self.stops, self.mode))
 
-    def stop_now(self, frame):
+    def stop_now(self, frame: FrameType) -> None:
         """The prompt at once, in `frame`; then trace on (as set_trace would) unless continued."""
         self.reset()
-        outer = frame
+        outer: FrameType | None = frame
         while outer is not None:
             outer.f_trace = self.trace_dispatch
             self.botframe, outer = outer, outer.f_back
@@ -165,7 +171,7 @@ class RankPdb(pdb.Pdb):
         else:
             sys.settrace(self.trace_dispatch)
 
-    def user_return(self, frame, value):
+    def user_return(self, frame: FrameType, value: Any) -> None:
         """Stepping past the end of the learner's code (a cell, a launched function) lets the rank go
         on, rather than stop in the launcher's frames after it."""
         if self.stops and (frame.f_back is None or _plumbing(frame.f_back)):
@@ -173,13 +179,13 @@ class RankPdb(pdb.Pdb):
             return
         super().user_return(frame, value)
 
-    def where(self):
+    def where(self) -> str:
         if self.called_at:
             return self.called_at
         frame, line = (self.curframe, self.curframe.f_lineno) if self.curframe else (None, 0)
         return f"{frame.f_code.co_filename if frame else '?'}:{line}"
 
-    def do_quit(self, arg):
+    def do_quit(self, arg: str) -> Any:
         """q(uit): leave the debugger; at a breakpoint the rank goes on (the others with it)."""
         if self.mode == "breakpoint":
             self.clear_all_breaks()
@@ -189,24 +195,24 @@ class RankPdb(pdb.Pdb):
 
     do_q = do_exit = do_quit
 
-    def do_EOF(self, arg):
+    def do_EOF(self, arg: str) -> Any:
         return self.do_quit(arg)
 
 
 class _Output:
     """pdb's stdout: kept until the next prompt, then sent with it."""
 
-    def __init__(self):
-        self.parts = []
+    def __init__(self) -> None:
+        self.parts: list[str] = []
 
-    def write(self, text):
+    def write(self, text: str) -> int:
         self.parts.append(text)
         return len(text)
 
-    def flush(self):
+    def flush(self) -> None:
         pass
 
-    def take(self):
+    def take(self) -> str:
         text, self.parts = "".join(self.parts), []
         return text
 
@@ -214,12 +220,12 @@ class _Output:
 class _Input:
     """pdb's stdin: each line is asked of the kernel, with what pdb printed since the last one."""
 
-    def __init__(self, debugger):
+    def __init__(self, debugger: RankPdb) -> None:
         self.debugger = debugger
 
-    def readline(self):
+    def readline(self) -> str:
         d = self.debugger
-        text = d.stdout.take()
+        text = d.output.take()
         if text.endswith(d.prompt):
             text = text[:-len(d.prompt)]
         if not d.nobody:
@@ -235,7 +241,7 @@ class _Input:
         return "q\n"
 
 
-def _ask(message):
+def _ask(message: tuple) -> str | None:
     """Send a prompt; the kernel's answer (a line), or None when no one answers."""
     conn = _connect()
     if conn is None:
@@ -254,7 +260,7 @@ def _ask(message):
     return line if kind == "line" else None
 
 
-def _send(message):
+def _send(message: tuple) -> None:
     conn = _connect()
     try:
         if conn is not None:
@@ -263,7 +269,7 @@ def _send(message):
         _forget_channel()
 
 
-def _connect():
+def _connect() -> Connection | None:
     path = os.environ.get(SOCKET_ENV)
     if not path:
         return None
@@ -275,7 +281,7 @@ def _connect():
     return _channel["conn"]
 
 
-def _forget_channel():
+def _forget_channel() -> None:
     """After an error, or in a child the rank forked: the next prompt connects anew."""
     conn, _channel["conn"] = _channel["conn"], None
     if conn is not None and _channel["pid"] == os.getpid():

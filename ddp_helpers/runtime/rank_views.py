@@ -5,7 +5,11 @@
 it shows the Tab at once and adds each rank's lines, errors (stderr) and displays to its page as
 they arrive. What the cell returns is still shown below it as `[rank N] value` lines.
 """
+from __future__ import annotations
+
 import re
+from collections.abc import Iterable
+from typing import Any
 
 _PREFIX = re.compile(r"(^|[\r\n])\[rank \d+\] ")
 
@@ -13,7 +17,7 @@ _PREFIX = re.compile(r"(^|[\r\n])\[rank \d+\] ")
 class TabSink:
     """A Tab with one page (an Output widget) per rank, titled `rank N`."""
 
-    def __init__(self, ranks):
+    def __init__(self, ranks: Iterable[int]) -> None:
         import ipywidgets
         from IPython.display import display
         self.pages = {r: ipywidgets.Output() for r in ranks}
@@ -22,7 +26,7 @@ class TabSink:
             self.tab.set_title(i, f"rank {r}")
         display(self.tab)
 
-    def write(self, dest, pieces):
+    def write(self, dest: str, pieces: Iterable[tuple[int, str]]) -> None:
         for rank, text in pieces:
             page = self.pages.get(rank)
             if page is None:
@@ -33,7 +37,7 @@ class TabSink:
             else:
                 page.append_stderr(text)
 
-    def display(self, rank, data, metadata):
+    def display(self, rank: int, data: dict[str, Any], metadata: dict[str, Any]) -> None:
         page = self.pages.get(rank)
         if page is not None:
             page.outputs += ({"output_type": "display_data", "data": data, "metadata": metadata},)

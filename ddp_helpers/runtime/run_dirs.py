@@ -27,15 +27,16 @@ from .processes import alive
 KEPT_RUN_DIRS = 20           # logs of the most recent finished launches kept on disk
 _run_counter = itertools.count()
 _run_dirs_lock = threading.Lock()
-_live_run_dirs = set()       # run folders of this process still in use (a launch running, a pool up)
-_fallback_roots = {}         # (temp dir, uid) -> this process's private root, when the usual one cannot be trusted
+_live_run_dirs: set[str] = set()   # run folders of this process still in use (a launch running, a pool up)
+# (temp dir, uid) -> this process's private root, when the usual one cannot be trusted
+_fallback_roots: dict[tuple[str, int], str] = {}
 
 
 RANK_FILES = {
     "stdout": "a named pipe: the rank writes its stdout there, the kernel reads it",
     "stderr": "the same for its stderr",
     "result": "what the rank's function returned (cloudpickle)",
-    "error": "what it raised instead (worker.describe_exception's record, pickled)",
+    "error": "what it raised instead (an error_record.ErrorRecord as a plain dict, pickled)",
     "nogroup": "left by a rank of an init=False launch that returned without ever joining a process group",
     "rendezvous": "the address a rank waits on while it is in init_process_group (see `tutorials`)",
     "log": "everything the rank printed: kept after the run",
@@ -58,7 +59,7 @@ def remove_scratch(run_dir: str, world_size: int) -> None:
                     os.unlink(rank_file(run_dir, rank, kind))
 
 
-def new_run_dir():
+def new_run_dir() -> str:
     """A new folder for one launch (or one pool's workers), in this user's private scratch root.
 
     It counts as live until `release_run_dir`; old folders are pruned (all but the newest
@@ -73,13 +74,13 @@ def new_run_dir():
         return path
 
 
-def release_run_dir(path):
+def release_run_dir(path: str) -> None:
     """The run in `path` is over: its folder (logs) may be pruned by later launches."""
     with _run_dirs_lock:
         _live_run_dirs.discard(path)
 
 
-def run_root():
+def run_root() -> str:
     """`$TMPDIR/ddp_helpers-<uid>`, made with mode 0700, if it is a real folder of this user that
     nobody else can write to; otherwise (planted by another user, a symlink, ...) the fallback
     (`_fallback_root`), with a warning. Result files in run folders are unpickled: nobody else may be
@@ -101,7 +102,7 @@ def run_root():
     return fallback
 
 
-def _fallback_root(tmp, uid):
+def _fallback_root(tmp: str, uid: int) -> str:
     """The first `ddp_helpers-<uid>-*` folder in `tmp` that this user owns and nobody else can write
     to (an earlier process made it), or a new one (mkdtemp: 0700, ours). Another user can make a
     folder of that name, but not one that this user owns: theirs are passed over."""
@@ -117,7 +118,7 @@ def _fallback_root(tmp, uid):
     return tempfile.mkdtemp(prefix=prefix, dir=tmp)
 
 
-def _untrusted_root(path, uid):
+def _untrusted_root(path: str, uid: int) -> str | None:
     """Why `path` cannot hold run folders, or None when it can (then it is made mode 0700)."""
     try:
         st = os.lstat(path)
@@ -139,7 +140,7 @@ def _untrusted_root(path, uid):
     return None
 
 
-def _run_dir_owner(name):
+def _run_dir_owner(name: str) -> int | None:
     """PID recorded in a run folder's name (`run-HHMMSS-<pid>-<n>-...`), or None for other names."""
     parts = name.split("-")
     if len(parts) >= 5 and parts[0] == "run" and parts[2].isdigit() and parts[3].isdigit():
@@ -147,7 +148,7 @@ def _run_dir_owner(name):
     return None
 
 
-def _prune(root):
+def _prune(root: str) -> None:
     """Delete all but the newest KEPT_RUN_DIRS finished run folders (caller holds _run_dirs_lock).
     Other processes prune the same root at the same time: anything may vanish meanwhile."""
     me = os.getpid()

@@ -2,37 +2,42 @@
 
 `serve(local_rank, job, connections)` is the target handed to
 `torch.multiprocessing.start_processes`. It sets the process up as `launch`'s workers are set up
-(`worker.setup_worker_process`: output pipes, environment, watchdog), forms the process group,
+(`rank_setup.setup_worker_process`: output pipes, environment, watchdog), forms the process group,
 says "ok" on its connection, and then answers the kernel's requests one at a time: run a cell
 (on every rank, or on some: `rank_io.only_ranks`), call a function, set or read a variable, stop.
 
-The requests and the answer (`protocol.Reply`: the pickled value or `worker.describe_exception`'s
-record, whether the process group still stands, whether this rank has child processes, which one
+The requests and the answer (`protocol.Reply`: the pickled value or the `ErrorRecord` of what it
+raised, whether the process group still stands, whether this rank has child processes, which one
 system call tells) are the dataclasses of `protocol`.
 
 A cell may fork (`os.fork()`): the child shares this rank's connection to the kernel, and would
 answer for the rank when it reaches the end of the cell (or is interrupted there). So the child
 closes its copy of the connection as it starts, and ends instead of answering.
 """
+from __future__ import annotations
+
 import contextlib
 import linecache
 import os
 import pickle
 import signal
 import sys
+from multiprocessing.connection import Connection
+from typing import Any
 
 import cloudpickle
 import torch.distributed as dist
 
 from . import rank_io, rank_pdb
-from .cells import dumps
-from .random_state import reseed
+from .cell_exec import exec_cell, rank_namespace
+from .cells import dumps, to_cpu
+from .error_record import describe_exception
 from .protocol import Call, Debug, Exec, Pull, Push, Reply, Request, Stop
-from .worker import (describe_exception, end_worker, exec_cell, init_process_group, rank_namespace,
-                     setup_worker_process, threads_left_running, to_cpu)
+from .random_state import reseed
+from .rank_setup import WorkerJob, end_worker, init_process_group, setup_worker_process, threads_left_running
 
 
-def serve(local_rank, job, connections):
+def serve(local_rank: int, job: WorkerJob, connections: list[Connection]) -> None:
     """Target of `start_processes` for a pool worker."""
     conn = connections[local_rank]
     for other in connections:
@@ -48,7 +53,7 @@ def serve(local_rank, job, connections):
         init_process_group(job.backend, local_rank, job.pg_timeout_s)
         conn.send(Reply(value=dumps(rank_io.collectives_visible())))   # for %%ddp --ranks
     except BaseException as exc:
-        conn.send(Reply(error=describe_exception(exc), group_alive=dist.is_initialized()))
+        conn.send(Reply(error=describe_exception(exc, local_rank), group_alive=dist.is_initialized()))
         end_worker()
         return
     state = _RankState()
@@ -67,7 +72,7 @@ def serve(local_rank, job, connections):
                 reseed(local_rank, request.seed)
             reply = Reply(value=dumps(to_cpu(state.handle(request))))
         except BaseException as exc:
-            reply = Reply(error=describe_exception(exc))
+            reply = Reply(error=describe_exception(exc, local_rank))
             if isinstance(request, (Exec, Call)):
                 state.failed = exc   # for `%ddp debug`, with its traceback and the frames' variables
         finally:
@@ -86,14 +91,14 @@ def serve(local_rank, job, connections):
         os._exit(0)   # threads a cell left running would keep this rank from exiting (%ddp stop)
 
 
-def _forget(conn):
+def _forget(conn: Connection) -> None:
     """In a child forked by a cell: close this process's copy of the rank's connection (the rank's
     own stays open), so that the child can neither read the rank's requests nor answer them."""
     with contextlib.suppress(OSError):
         conn.close()
 
 
-def _has_children():
+def _has_children() -> bool:
     """Whether this process has child processes (running, or exited and not yet waited for)."""
     if not hasattr(os, "waitid"):
         return True   # cannot tell cheaply: let the kernel look
@@ -107,12 +112,12 @@ def _has_children():
 class _RankState:
     """One rank's namespace, kept between cells."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.namespace = rank_namespace()
-        self.from_kernel = {}  # name -> the object the kernel last sent for it
-        self.failed = None     # the exception of the last cell or call that raised here
+        self.from_kernel: dict[str, Any] = {}  # name -> the object the kernel last sent for it
+        self.failed: BaseException | None = None   # the exception of the last cell or call that raised here
 
-    def handle(self, request: Request):
+    def handle(self, request: Request) -> Any:
         if isinstance(request, Exec):
             self._take_from_kernel(request.sent)
             if request.only is None:
@@ -134,7 +139,7 @@ class _RankState:
             return self.namespace[request.name]
         raise ValueError(f"unknown request {request!r}")
 
-    def _take_from_kernel(self, sent):
+    def _take_from_kernel(self, sent: dict[str, Any]) -> None:
         """Notebook variables a cell uses fill in names the rank has not set itself:
         a rank's own variables are never overwritten by the kernel's."""
         for name, value in sent.items():

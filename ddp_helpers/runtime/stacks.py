@@ -14,6 +14,8 @@ import contextlib
 import contextvars
 import os
 import re
+from collections.abc import Iterator
+from typing import Any
 
 import torch.distributed as dist
 
@@ -32,7 +34,7 @@ _TIMEOUT_NAME = contextvars.ContextVar("ddp_helpers_timeout_name", default="time
 
 
 @contextlib.contextmanager
-def timeout_called(name: str):
+def timeout_called(name: str) -> Iterator[None]:
     """Inside this block a WorkerTimeout names the time limit `name` (e.g. "-t" for %%ddp)."""
     token = _TIMEOUT_NAME.set(name)
     try:
@@ -41,16 +43,16 @@ def timeout_called(name: str):
         _TIMEOUT_NAME.reset(token)
 
 
-def _setting(name, seconds):
+def _setting(name: str, seconds: float) -> str:
     """How the learner writes the limit: `timeout=120`, `start_timeout=60`, `-t 120`."""
     return f"{name}{seconds:g}" if name.endswith("=") else f"{name} {seconds:g}"
 
 
-def stacks_of(ranks, unfinished: list[int]) -> dict[int, str]:
+def stacks_of(ranks: Any, unfinished: list[int]) -> dict[int, str]:
     """Ask the unfinished ranks where they are (`Supervisor.dump_stacks`: printed in the cell unless
     quiet, and in their logs); return what each printed then, read back from its log."""
     logs = {r: rank_file(ranks.run_dir, r, "log") for r in unfinished}
-    sizes = {}
+    sizes: dict[int, int | None] = {}
     for r, path in logs.items():
         try:
             sizes[r] = os.path.getsize(path)
@@ -140,7 +142,8 @@ def describe_timeout(timeout: float, unfinished: list[int], stacks: dict[int, st
 def one_per_line(start: str, items: list[str]) -> str:
     """`start` and the items, comma-separated, ending in a full stop, broken only between items so
     that each line fits WIDTH where one item does (lines after the first indented two spaces)."""
-    lines, line = [], start
+    lines: list[str] = []
+    line = start
     for i, item in enumerate(items):
         piece = item + ("." if i == len(items) - 1 else ",")
         if line == start:

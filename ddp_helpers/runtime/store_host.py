@@ -9,12 +9,17 @@ pool) gets a store of its own, closed at its end; the process ends when the kern
     with StoreHost() as store:      # store.port: MASTER_PORT for the ranks
         ...                         # store.num_keys(); store.private: None, or why not private
 """
+from __future__ import annotations
+
 import multiprocessing
 import os
 import signal
 import socket
 import threading
 from datetime import timedelta
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any, Literal
 
 import torch.distributed as dist
 
@@ -29,7 +34,7 @@ class Rendezvous:
     later, leaves a window in which another program can take it.
     """
 
-    def __enter__(self):
+    def __enter__(self) -> Rendezvous:
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
             self._sock.bind(("127.0.0.1", 0))
@@ -43,7 +48,7 @@ class Rendezvous:
         self._sock.detach()  # the store owns the socket now and closes it when deleted
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> Literal[False]:
         del self.store  # stops the server and closes its socket: the port is free again
         return False
 
@@ -51,14 +56,14 @@ class Rendezvous:
 class StoreHost:
     """One launch's store, served by the store process (see the module docstring)."""
 
-    def __enter__(self):
+    def __enter__(self) -> StoreHost:
         self.port, self.private = _ask("open")
         return self
 
-    def num_keys(self):
+    def num_keys(self) -> int:
         return _ask("num_keys", self.port)
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> Literal[False]:
         try:
             _ask("close", self.port)
         except (OSError, EOFError, RuntimeError):
@@ -71,18 +76,21 @@ class _Host:
     server, which lives as long as the kernel (it ends when its pipe closes). Each launch asks it
     for a store of its own (a new TCPStore on a new port) and closes it at the end: a request on a
     pipe costs about a millisecond, where starting a process for each launch cost 40."""
-    process = conn = owner = None   # owner: the PID that started it (a fork of the kernel starts its own)
+    process: BaseProcess | None = None
+    conn: Connection | None = None
+    owner: int | None = None   # the PID that started it (a fork of the kernel starts its own)
     lock = threading.Lock()
 
 
-def _ask(*request):
+def _ask(*request: Any) -> Any:
     with _Host.lock:
         for attempt in (1, 2):   # a store process that died (killed, say) is replaced once
-            if _Host.owner != os.getpid() or not _Host.process.is_alive():
-                _start_host()
+            conn = _Host.conn
+            if conn is None or _Host.owner != os.getpid() or _Host.process is None or not _Host.process.is_alive():
+                conn = _start_host()
             try:
-                _Host.conn.send(request)
-                kind, value = _Host.conn.recv()
+                conn.send(request)
+                kind, value = conn.recv()
                 break
             except (OSError, EOFError):
                 _Host.owner = None
@@ -93,15 +101,14 @@ def _ask(*request):
     return value
 
 
-def _start_host():
+def _start_host() -> Connection:
     from . import forkserver, run_dirs
-    from .supervisor import main_script_not_rerun
     forkserver.start()
-    context = multiprocessing.get_context(forkserver.start_method())
+    context: Any = multiprocessing.get_context(forkserver.start_method())
     conn, theirs = context.Pipe()
     log = os.path.join(run_dirs.run_root(), f"store-{os.getpid()}.log")
     process = context.Process(target=serve_stores, args=(theirs, log), name="ddp-helpers-store", daemon=True)
-    with main_script_not_rerun():
+    with forkserver.main_script_not_rerun():
         process.start()
     theirs.close()
     if not conn.poll(START_TIMEOUT_S):
@@ -109,9 +116,10 @@ def _start_host():
         raise RuntimeError(f"the rendezvous store did not start within {START_TIMEOUT_S} s")
     conn.recv()   # ready
     _Host.process, _Host.conn, _Host.owner = process, conn, os.getpid()
+    return conn
 
 
-def serve_stores(conn, log):
+def serve_stores(conn: Connection, log: str) -> None:
     """The store process: open, count and close stores as the kernel asks, until its pipe closes."""
     from . import forkserver
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)

@@ -25,24 +25,23 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import multiprocessing.connection
-import multiprocessing.spawn
+from multiprocessing.connection import Connection
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any, Literal
 
 import psutil
 import torch.multiprocessing
 
-from .. import machine
-from ..compat import loopback_interface
 from . import forkserver, private_net, processes
 from .debug_session import DebugServer
 from .output import OutputPump
 from .rank_pdb import SOCKET_ENV
 from .run_dirs import new_run_dir, release_run_dir, remove_scratch
+from .rank_env import worker_env
 from .store_host import StoreHost
-from .worker import omp_threads
 
 STOP_GRACE_S = 2.0           # SIGTERM, then SIGKILL after this long
 LOOK_AT_CHILDREN_S = 0.5     # how often the waits note the processes the ranks started
@@ -55,11 +54,11 @@ class Supervisor:
     quiet: keep the ranks' output out of the cell (it still goes to the logs).
     """
 
-    def __init__(self, world_size, quiet=False, env=None):
+    def __init__(self, world_size: int, quiet: bool = False, env: dict[str, str] | None = None) -> None:
         self.world_size = world_size
-        self.processes = []
-        self._context = None
-        self._started = set()        # processes the ranks started, as last seen (psutil.Process)
+        self.processes: list[Any] = []   # multiprocessing's process objects, one per rank
+        self._context: Any = None
+        self._started: set[psutil.Process] = set()      # processes the ranks started, as last seen (psutil.Process)
         self._next_look = 0.0
         env = worker_env(world_size, 0, env)   # checks the settings first: nothing exists yet
         self._resources = contextlib.ExitStack()
@@ -82,10 +81,10 @@ class Supervisor:
         if self.debug.path is not None:
             self.env[SOCKET_ENV] = self.debug.path
 
-    def start(self, target, args):
+    def start(self, target: Callable[..., None], args: tuple) -> None:
         """Start the ranks: `target(local_rank, *args)` in each."""
         forkserver.start()   # unless it runs already (started by an earlier launch or by `import ddp_helpers`)
-        with main_script_not_rerun():
+        with forkserver.main_script_not_rerun():
             self._context = torch.multiprocessing.start_processes(
                 target, args=args, nprocs=self.world_size, join=False, start_method=forkserver.start_method())
         self.processes = self._context.processes
@@ -100,15 +99,16 @@ class Supervisor:
         exits do not show.
         Returns ("done", None), ("failed", [ranks]) or ("timeout", [unfinished ranks]).
         """
-        def failed(exited):
+        def failed(exited: dict[int, int]) -> list[int]:
             return sorted(r for r, code in exited.items() if code != 0 or (finished is not None and not finished(r)))
 
-        def unfinished(exited):
+        def unfinished(exited: dict[int, int]) -> list[int]:
             return [r for r in range(self.world_size) if r not in exited]
 
         return self._pump(deadline, failed, unfinished, check=check)
 
-    def wait_for_replies(self, deadline: float, replies: dict, on_reply: Callable | None = None,
+    def wait_for_replies(self, deadline: float, replies: dict[int, Connection],
+                         on_reply: Callable[[int, Any], float | None] | None = None,
                          stopped: frozenset = frozenset()) -> tuple[str, list[int] | None]:
         """Print the ranks' output until each rank in `replies` (rank -> the connection on which it
         answers once) has answered, some rank exited (ranks that stay up: any exit is a failure),
@@ -118,10 +118,10 @@ class Supervisor:
         Returns what `wait_for_exits` returns; "timeout" names the ranks that had not answered.
         """
         pending = dict(replies)
-        closed = set()   # ranks whose connection ended: their exit is about to show
+        closed: set[int] = set()   # ranks whose connection ended: their exit is about to show
 
-        def take(ready):
-            earliest = None
+        def take(ready: list[Any]) -> float | None:
+            earliest: float | None = None
             for rank, conn in list(pending.items()):
                 if conn not in ready:
                     continue
@@ -139,7 +139,10 @@ class Supervisor:
         return self._pump(deadline, lambda exited: sorted(set(exited) - stopped), lambda exited: sorted(pending),
                           waiting=lambda: [conn for r, conn in pending.items() if r not in closed], take=take)
 
-    def _pump(self, deadline, failed, unfinished, check=None, waiting=None, take=None):
+    def _pump(self, deadline: float, failed: Callable[[dict[int, int]], list[int]],
+              unfinished: Callable[[dict[int, int]], list[int]], check: Callable[[], list[int] | None] | None = None,
+              waiting: Callable[[], list[Any]] | None = None,
+              take: Callable[[list[Any]], float | None] | None = None) -> tuple[str, list[int] | None]:
         """The loop both waits share: note what the ranks started, print their output, see their
         exits; `failed(exited)` and `unfinished(exited)` ({rank: exit code} so far) say when it ends.
         `waiting()`: connections to wait on as well; `take(ready)` reads the ready ones and may
@@ -147,10 +150,10 @@ class Supervisor:
         # what the ranks started is noted while they run, from half a second on: a quick cell of a
         # warm pool costs no scan (its ranks say when they have children: note_started_processes)
         self._next_look = time.monotonic() + LOOK_AT_CHILDREN_S
-        exited = {}
+        exited: dict[int, int] = {}
         # Whose exit status to ask for (each time a poll of the fork server's pipe): the ranks whose
         # sentinel is ready, as an exit makes it; every one when nothing at all was ready.
-        look_at = ()
+        look_at: list[int] = []
         while True:
             self._note_started_processes()
             for r in look_at:
@@ -179,12 +182,12 @@ class Supervisor:
             if earlier is not None:
                 deadline = min(deadline, earlier)
 
-    def note_started_processes(self):
+    def note_started_processes(self) -> None:
         """Note now what the running ranks started (a warm pool's rank that says it has children,
         after a cell): psutil reads every process on the machine to find them."""
         self._note_started_processes(now=True)
 
-    def _note_started_processes(self, now=False):
+    def _note_started_processes(self, now: bool = False) -> None:
         """Remember the processes the running ranks started (and what those started). A rank ends
         them itself when it finishes, but a rank that dies by a signal or os._exit cannot, and its
         orphans are no longer anybody's children we could ask for: stop() ends the ones noted here.
@@ -196,13 +199,13 @@ class Supervisor:
         started = {p for p in self._started if p.is_running()}
         self._started = started | processes.children_of(p.pid for p in self.processes if p.exitcode is None)
 
-    def gone(self):
+    def gone(self) -> list[int]:
         """Ranks whose process has ended although its exit status has not arrived yet: under the
         forkserver start method the status comes from the fork server, a moment later, and a rank
         killed by a signal can look alive when its peers' errors ("Connection reset") are already in."""
         return [r for r, p in enumerate(self.processes) if p.exitcode is None and not processes.alive(p.pid)]
 
-    def dump_stacks(self, ranks, wait_s=0.5):
+    def dump_stacks(self, ranks: Iterable[int], wait_s: float = 0.5) -> None:
         """Ask stuck ranks where they are (faulthandler on SIGUSR1) and print it."""
         for r in ranks:
             try:
@@ -228,12 +231,12 @@ class Supervisor:
             p.join()
         self.output.read(self.output.fds())
 
-    def _read_output(self, timeout_s):
+    def _read_output(self, timeout_s: float) -> None:
         """Print what the ranks write for up to `timeout_s`, returning early when a rank exits."""
         live = [p.sentinel for p in self.processes if p.exitcode is None]
         self.output.read(multiprocessing.connection.wait(self.output.fds() + live, timeout=timeout_s))
 
-    def close(self):
+    def close(self) -> None:
         """Stop the ranks; free the port; remove pipes and result files (the logs stay)."""
         try:
             self.stop()
@@ -243,40 +246,18 @@ class Supervisor:
                     os.unlink(path)
             self._resources.close()
 
-    def __enter__(self):
+    def __enter__(self) -> Supervisor:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> Literal[False]:
         self.close()
         return False
 
 
-@contextlib.contextmanager
-def main_script_not_rerun():
-    """multiprocessing re-runs the main script in every new process (as `__mp_main__`), so that the
-    functions it pickled by name can be found there. A rank needs none of it: the function and
-    everything it uses travel by value. So a script that calls `launch` without the
-    `if __name__ == "__main__":` guard works (each rank re-ran it and launched again), and a script
-    read from standard input (`python - < script.py`, a "<stdin>" that is no file) starts too."""
-    real = multiprocessing.spawn.get_preparation_data
-
-    def without_main(name):
-        data = real(name)
-        data.pop("init_main_from_path", None)
-        data.pop("init_main_from_name", None)
-        return data
-
-    multiprocessing.spawn.get_preparation_data = without_main
-    try:
-        yield
-    finally:
-        multiprocessing.spawn.get_preparation_data = real
+_said: list[str] = []
 
 
-_said = []
-
-
-def _say_once_if_not_private(reason):
+def _say_once_if_not_private(reason: str | None) -> None:
     """One line at the first launch where the ranks could not get a network of their own."""
     if reason is None or reason == f"{private_net.SWITCH}=0" or _said:
         return
@@ -285,51 +266,18 @@ def _say_once_if_not_private(reason):
           "connect to their ports (README: For instructors)", flush=True)
 
 
-def interrupted(message):
+def interrupted(message: str) -> KeyboardInterrupt:
     """The KeyboardInterrupt to raise after an interrupt stopped the ranks: IPython shows it as
     the one line `KeyboardInterrupt: <message>`, not as the frames of the launcher's plumbing."""
     exc = KeyboardInterrupt(message)
-    exc._render_traceback_ = lambda: [f"KeyboardInterrupt: {message}"]
+    exc._render_traceback_ = lambda: [f"KeyboardInterrupt: {message}"]  # type: ignore[attr-defined]
     return exc
 
 
-def describe_exit(exitcode):
+def describe_exit(exitcode: int) -> str:
     """'was killed by signal SIGSEGV', 'exited with code 3 ...' for a worker's exit code."""
     if exitcode < 0:
         name = signal.Signals(-exitcode).name
         hint = " (often the out-of-memory killer, or the launcher stopping it)" if name == "SIGKILL" else ""
         return f"was killed by signal {name}{hint}"
     return f"exited with code {exitcode} without a Python exception"
-
-
-# ------------------------------------------------------ environment and store
-def worker_env(world_size, master_port, extra_env=None):
-    """The environment each worker gets: the kernel's own, plus what torchrun sets.
-
-    RANK, LOCAL_RANK, GROUP_RANK and ROLE_RANK differ per rank; the worker adds them.
-    A bad OMP_NUM_THREADS (the kernel's or in extra_env) is a ValueError here.
-    """
-    env = dict(os.environ)
-    env.update(extra_env or {})
-    threads = max(1, machine.cpu_count() // world_size)
-    env.setdefault("OMP_NUM_THREADS", str(threads))  # torchrun would use 1; share the cores instead
-    omp_threads(env["OMP_NUM_THREADS"])
-    lo = loopback_interface()
-    env.setdefault("GLOO_SOCKET_IFNAME", lo)   # Gloo and NCCL talk over loopback only
-    env.setdefault("NCCL_SOCKET_IFNAME", lo)
-    env.update({
-        "WORLD_SIZE": str(world_size),
-        "LOCAL_WORLD_SIZE": str(world_size),
-        "ROLE_WORLD_SIZE": str(world_size),
-        "GROUP_WORLD_SIZE": "1",
-        "ROLE_NAME": "default",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(master_port),
-        # Like torchrun: workers connect to the store the launcher hosts instead of rank 0 creating one.
-        "TORCHELASTIC_USE_AGENT_STORE": "True",
-        "TORCHELASTIC_RESTART_COUNT": "0",
-        "TORCHELASTIC_MAX_RESTARTS": "0",
-        "TORCHELASTIC_RUN_ID": "ddp_helpers",
-    })
-    env.update(extra_env or {})
-    return env

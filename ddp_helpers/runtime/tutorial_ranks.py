@@ -1,6 +1,6 @@
 """Inside each rank that ddp_helpers starts: tutorial code's own `init_process_group` (see `tutorials`).
 
-`install_in_rank` (called by `runtime.worker` as a rank starts) replaces `init_process_group` and
+`install_in_rank` (called by `rank_setup` as a rank starts) replaces `init_process_group` and
 `destroy_process_group` in the rank, unless DDP_HELPERS_TUTORIAL_CODE=0:
 
 - inside a group that exists already (a `%%ddp` cell, `launch(init=True)`, the pool) an init that
@@ -11,17 +11,21 @@
   after `destroy_process_group()` would find the old group's addresses there);
 - a `world_size` or `rank` that does not fit the ranks started is an error at once.
 """
+from __future__ import annotations
+
 import functools
 import inspect
 import os
 import urllib.parse
+from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 
 SWITCH = "DDP_HELPERS_TUTORIAL_CODE"   # "0": tutorial code runs exactly as torch runs it
 
 
-def enabled():
+def enabled() -> bool:
     return os.environ.get(SWITCH, "1") != "0"
 
 
@@ -31,13 +35,15 @@ _INIT_SIGNATURE = inspect.signature(_real_init)
 
 
 class _RankShims:
-    launch_addr = launch_port = marker = None
+    launch_addr: str | None = None    # the launch's rendezvous, as the rank started
+    launch_port: str | None = None
+    marker: str | None = None         # the file that says where this rank waits to meet the others
     rounds = 0         # init_process_group calls that formed a group on the launch's store (see _a_store_of_this_round)
     kept_inits = 0     # init_process_group calls that found the group formed: their destroys do nothing
 
 
-def install_in_rank(marker_path=None):
-    """Called by every rank as it starts (runtime.worker.setup_worker_process): see the module docstring."""
+def install_in_rank(marker_path: str | None = None) -> None:
+    """Called by every rank as it starts (rank_setup.setup_worker_process): see the module docstring."""
     if not enabled():
         return
     _RankShims.launch_addr = os.environ.get("MASTER_ADDR")
@@ -49,14 +55,14 @@ def install_in_rank(marker_path=None):
         module.destroy_process_group = destroy_process_group
 
 
-def _say(text):
+def _say(text: str) -> None:
     """One line, from rank 0 only (every rank would print the same)."""
     if os.environ.get("RANK", "0") == "0":
         print(f"ddp_helpers: {text}", flush=True)
 
 
 @functools.wraps(_real_init)
-def init_process_group(*args, **kwargs):
+def init_process_group(*args: Any, **kwargs: Any) -> Any:
     call = _INIT_SIGNATURE.bind(*args, **kwargs)
     call.apply_defaults()
     given = call.arguments
@@ -93,7 +99,7 @@ def init_process_group(*args, **kwargs):
         _mark_rendezvous(None)
 
 
-def _a_store_of_this_round(timeout):
+def _a_store_of_this_round(timeout: timedelta | None) -> Any:
     """A client of the launch's store, under a prefix of its own for each init_process_group of this
     rank. A group formed again after destroy_process_group() has the same name ("0"), so without it
     Gloo found the previous group's addresses in the store: "connectFullMesh failed ... Connection
@@ -101,12 +107,12 @@ def _a_store_of_this_round(timeout):
     own rank-0 store is new for each group). Every rank forms its groups in the same order, so the
     n-th init of each rank meets under the same prefix."""
     _RankShims.rounds += 1
-    client = dist.TCPStore(_RankShims.launch_addr, int(_RankShims.launch_port), is_master=False,
+    client = dist.TCPStore(_RankShims.launch_addr, int(_RankShims.launch_port or 0), is_master=False,
                            timeout=timeout or dist.distributed_c10d.default_pg_timeout)
     return dist.PrefixStore(f"ddp_helpers/init_{_RankShims.rounds}", client)
 
 
-def _keep_the_group(backend, world_size, rank):
+def _keep_the_group(backend: str | None, world_size: int | None, rank: int | None) -> None:
     current = dist.get_backend()
     size, me = dist.get_world_size(), dist.get_rank()
     wanted = str(backend).lower() if backend is not None else current
@@ -122,25 +128,25 @@ def _keep_the_group(backend, world_size, rank):
 
 
 @functools.wraps(_real_destroy)
-def destroy_process_group(group=None):
+def destroy_process_group(group: Any = None) -> None:
     if group is None and _RankShims.kept_inits > 0:
         _RankShims.kept_inits -= 1
         return None
     return _real_destroy(group)
 
 
-def _is_the_launch_store(url):
+def _is_the_launch_store(url: str) -> bool:
     parsed = urllib.parse.urlparse(url)
     return (parsed.hostname, str(parsed.port)) == (_RankShims.launch_addr, _RankShims.launch_port)
 
 
-def _use_the_launch_rendezvous(init_method=None):
+def _use_the_launch_rendezvous(init_method: str | None = None) -> None:
     """Point MASTER_ADDR/PORT at the launch's own rendezvous, saying so in one line if the code had
     set others (or passed a tcp:// init_method), and what to do under torchrun."""
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if _RankShims.launch_port is None:
         return
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = _RankShims.launch_addr, _RankShims.launch_port
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = _RankShims.launch_addr or "127.0.0.1", _RankShims.launch_port
     if init_method is not None and not _is_the_launch_store(init_method):
         _say(f"init_method {init_method} from your code -> this launch's own rendezvous")
         _say("under torchrun, drop init_method: torchrun sets MASTER_ADDR/PORT for env://")
@@ -149,7 +155,7 @@ def _use_the_launch_rendezvous(init_method=None):
         _say("under torchrun, delete the lines that set them: torchrun sets both")
 
 
-def _mark_rendezvous(where):
+def _mark_rendezvous(where: str | None) -> None:
     """A file saying where this rank waits for its rendezvous (read by the launcher on a timeout)."""
     path = _RankShims.marker
     if path is None:
