@@ -604,3 +604,42 @@ def test_a_function_that_cannot_be_sent_to_the_ranks_is_named_once():
     verdict = exercises.check_ring_all_reduce(holds_a_lock)
     assert not verdict and len(verdict.problems) == 1, repr(verdict)
     assert "could not run it on the ranks" in repr(verdict) and "cannot pickle '_thread.lock'" in repr(verdict)
+
+
+# ---- the cases of one world size share a launch, and the verdict is the one of a launch per case -----
+def test_a_checker_launches_once_per_world_size(monkeypatch):
+    sizes = []
+    real = runner.launch
+
+    def counted(fn, world_size, **how):
+        sizes.append(world_size)
+        return real(fn, world_size, **how)
+    monkeypatch.setattr(runner, "launch", counted)
+    assert exercises.check_ring_all_reduce(solutions.ring_all_reduce)
+    assert sorted(sizes) == [2, 3, 4], sizes   # 6 public cases and 1 drawn now, on 2, 3 and 4 ranks
+
+
+def wrong_then_raises(t):   # a wrong sum where the length is 1, an error where it is 5
+    if t.numel() == 5:
+        raise ValueError("five elements")
+    return t
+
+
+def wrong_once_then_thrown_off(t):
+    """A wrong sum where the length is 1; right elsewhere, unless the same rank ran it before."""
+    seen = getattr(dist, "_calls_in_this_rank", 0)
+    dist._calls_in_this_rank = seen + 1
+    return t if t.numel() == 1 or seen else solutions.ring_all_reduce(t)
+
+
+@pytest.mark.parametrize("wrong", [wrong_then_raises, wrong_once_then_thrown_off])
+def test_cases_sharing_a_launch_get_the_verdict_of_a_launch_each(monkeypatch, wrong):
+    """A launch of several cases that went wrong, or cases after one that went wrong in the same
+    ranks: each such case is launched again on its own, so the verdict is what one launch per case says."""
+    with decisive((2, 1), (2, 5)):
+        together = exercises.check_ring_all_reduce(wrong)
+        monkeypatch.setattr(runner.Checker, "_run_together", lambda self, *how: self._alone.add(self._at))
+        alone = exercises.check_ring_all_reduce(wrong)
+    assert len(alone.problems) == (2 if wrong is wrong_then_raises else 1), repr(alone)
+    assert [p.split(". Full logs")[0] for p in together.problems] == \
+        [p.split(". Full logs")[0] for p in alone.problems], (repr(together), repr(alone))
