@@ -270,7 +270,7 @@ class Checker:
         """The current case and every later one with its in_rank and world size, in one launch."""
         in_rank, world_size, _ = self._plan[self._at]
         together = [i for i in range(self._at, len(self._plan))
-                    if self._plan[i][0] is in_rank and self._plan[i][1] == world_size]
+                    if self._plan[i][0] is in_rank and self._plan[i][1] == world_size and i not in self._alone]
         if len(together) == 1:   # one case: its own launch, as without a plan
             self._alone.add(self._at)
             return
