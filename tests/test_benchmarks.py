@@ -18,11 +18,45 @@ def benchmark(script, *args, timeout=180):
                           capture_output=True, text=True, timeout=timeout)
 
 
-def quick_report(script, tmp_path):
-    """Run `script --quick`, check it succeeded, return the JSON it wrote (named after the script)."""
-    done = benchmark(script, "--quick", "--out", str(tmp_path))
+QUICK = ("ddp_cifar_gpu.py", "ddp_overhead_gpu.py", "perf_lab_1gpu.py")
+# The three --quick checks in one Python process (one torch import, one fork server for their ranks):
+# each script runs as `python benchmarks/<script> --quick --out <folder>` would run it, and its exit
+# status and error are written beside its JSON.
+RUN_EACH = """
+import json, os, runpy, sys, traceback
+for script, out in zip(sys.argv[1::2], sys.argv[2::2]):
+    sys.argv = [script, "--quick", "--out", out]
+    status, error = 0, ""
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exc:
+        status = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        status, error = 1, traceback.format_exc()
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "exit.json"), "w") as f:
+        json.dump({"status": status, "error": error}, f)
+"""
+
+
+@pytest.fixture(scope="module")
+def quick_runs(tmp_path_factory):
+    """The folder each --quick script wrote to, after one process ran them all."""
+    root = tmp_path_factory.mktemp("quick")
+    outs = {script: root / script.replace(".py", "") for script in QUICK}
+    done = subprocess.run([sys.executable, "-c", RUN_EACH,
+                           *[str(a) for script in QUICK for a in (os.path.join("benchmarks", script), outs[script])]],
+                          cwd=REPO, capture_output=True, text=True, timeout=540)
     assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads((tmp_path / script.replace(".py", ".json")).read_text())
+    return outs, done.stderr
+
+
+def quick_report(script, quick_runs):
+    """`script --quick` (run by quick_runs): check it succeeded, return the JSON it wrote (named after the script)."""
+    outs, stderr = quick_runs
+    ended = json.loads((outs[script] / "exit.json").read_text())
+    assert ended["status"] == 0, ended["error"][-3000:] or stderr[-3000:]
+    report = json.loads((outs[script] / script.replace(".py", ".json")).read_text())
     assert report["quick_check_only"] is True
     return report
 
@@ -32,8 +66,8 @@ def images_in(folder):
 
 
 @needs_mini
-def test_ddp_cifar_gpu_quick_writes_its_report(tmp_path):
-    report = quick_report("ddp_cifar_gpu.py", tmp_path)
+def test_ddp_cifar_gpu_quick_writes_its_report(quick_runs):
+    report = quick_report("ddp_cifar_gpu.py", quick_runs)
     assert report["data"]["train_images"] == images_in(os.path.join(MINI, "train"))
 
     rows, summary = report["rows"], report["summary"]
@@ -52,13 +86,13 @@ def test_ddp_cifar_gpu_quick_writes_its_report(tmp_path):
     assert fast_settings["width"] == 8 and fast_settings["cuda_graph"] is False
     assert fast_settings["batch_size"] * 2 == fast[0]["batch_per_gpu"] * fast[0]["gpus"]
     assert report["settings"]["resnet18"]["batch_size"] == resnet[1]["batch_per_gpu"]
-    with open(tmp_path / "ddp_cifar_gpu.csv", newline="") as f:
+    with open(quick_runs[0]["ddp_cifar_gpu.py"] / "ddp_cifar_gpu.csv", newline="") as f:
         assert len(list(csv.DictReader(f))) == len(rows)
 
 
 @needs_mini
-def test_ddp_overhead_gpu_quick_writes_every_case(tmp_path):
-    report = quick_report("ddp_overhead_gpu.py", tmp_path)
+def test_ddp_overhead_gpu_quick_writes_every_case(quick_runs):
+    report = quick_report("ddp_overhead_gpu.py", quick_runs)
     summary = report["summary"]
     assert len(summary) == 6 and "1 GPU" in summary
     # the NCCL cases are recorded with the environment their ranks saw (the script checks it)
@@ -72,8 +106,8 @@ def test_ddp_overhead_gpu_quick_writes_every_case(tmp_path):
 
 
 @needs_mini
-def test_perf_lab_1gpu_quick_records_every_setting_and_each_failure(tmp_path):
-    report = quick_report("perf_lab_1gpu.py", tmp_path)
+def test_perf_lab_1gpu_quick_records_every_setting_and_each_failure(quick_runs):
+    report = quick_report("perf_lab_1gpu.py", quick_runs)
     assert report["command"].startswith("benchmarks/perf_lab_1gpu.py --quick") and report["machine"]["torch"]
     assert report["data"]["train_images"] == images_in(os.path.join(MINI, "train"))
     modes = report["step_modes"]

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from checker_cases import decisive
 from conftest import seconds
 from ddp_helpers import exercises, launch, solutions
 from ddp_helpers.exercises import ddp_cifar10, runner
@@ -17,7 +18,8 @@ def still_a_stub(*args):
 
 def test_rank_squares():
     assert exercises.check_rank_squares(solutions.my_square)
-    verdict = exercises.check_rank_squares(lambda: dist.get_rank() * 2)
+    with decisive((4,)):
+        verdict = exercises.check_rank_squares(lambda: dist.get_rank() * 2)
     assert not verdict and "world_size=4, rank 3: expected 9, got 6" in repr(verdict)
 
 
@@ -31,12 +33,14 @@ def test_parity_group_sum_rejects_a_wrong_answer_precisely():
         t = torch.tensor([dist.get_rank()])
         dist.all_reduce(t)  # forgot the subgroup
         return int(t.item())
-    verdict = exercises.check_parity_group_sum(whole_world_sum)
+    with decisive((2,)):
+        verdict = exercises.check_parity_group_sum(whole_world_sum)
     assert not verdict and "world_size=2, rank 0: expected 0, got 1" in repr(verdict)
 
 
 def test_stub_is_recognised():
-    verdict = exercises.check_parity_group_sum(still_a_stub)
+    with decisive((2,)):
+        verdict = exercises.check_parity_group_sum(still_a_stub)
     assert not verdict and "still raises NotImplementedError" in repr(verdict)
 
 
@@ -44,7 +48,8 @@ def test_parity_group_sum_adds_the_hint_to_errors():
     def group_with_a_rank_that_does_not_exist():
         dist.new_group(list(range(dist.get_world_size() + 1)))
         return dist.get_rank()
-    verdict = exercises.check_parity_group_sum(group_with_a_rank_that_does_not_exist)
+    with decisive((2,)):
+        verdict = exercises.check_parity_group_sum(group_with_a_rank_that_does_not_exist)
     assert not verdict and "must call dist.new_group for every group" in repr(verdict)
 
 
@@ -53,9 +58,10 @@ def test_all_gather_checker():
     # only rank 0's data is right; the rest are zeros
     def half_done(t):
         return [t.clone() if r == dist.get_rank() else torch.zeros_like(t) for r in range(dist.get_world_size())]
-    verdict = exercises.check_all_gather(half_done)
+    with decisive((2, 1)):
+        verdict = exercises.check_all_gather(half_done)
+        cheat = exercises.check_all_gather(lambda t: dist.all_gather([torch.empty_like(t) for _ in range(2)], t))
     assert not verdict and "world_size=2, length=1, rank 0: item 1: element 0: expected 100, got 0" in repr(verdict)
-    cheat = exercises.check_all_gather(lambda t: dist.all_gather([torch.empty_like(t) for _ in range(2)], t))
     assert not cheat and "use send/recv, not dist.all_gather" in repr(cheat)
 
 
@@ -67,7 +73,8 @@ def test_tree_broadcast_checker():
         elif dist.get_rank() == 1:
             dist.recv(t, 0)
         return t
-    verdict = exercises.check_tree_broadcast(only_first_hop)
+    with decisive((3, 4)):
+        verdict = exercises.check_tree_broadcast(only_first_hop)
     assert not verdict and "world_size=3, length=4, rank 2: element 0: expected 0, got 200" in repr(verdict)
 
 
@@ -75,15 +82,17 @@ def test_ring_all_reduce_checker(monkeypatch):
     assert exercises.check_ring_all_reduce(solutions.ring_all_reduce)
     def even_split_only(t):  # view() into equal chunks fails when the world size does not divide the length
         return solutions.ring_all_reduce(t.view(dist.get_world_size(), -1).flatten())
-    verdict = exercises.check_ring_all_reduce(even_split_only)
+    with decisive((2, 1)):
+        verdict = exercises.check_ring_all_reduce(even_split_only)
     assert not verdict and re.search(r"world_size=2, length=1: rank [01] raised RuntimeError", repr(verdict))
     def deadlocks(t):  # every rank receives first: nobody sends
         dist.recv(t, src=(dist.get_rank() - 1) % dist.get_world_size())
         return t
     monkeypatch.setattr(runner, "HANG_TIMEOUT_S", seconds(1.5))   # the deadlock waits this out (CI time)
-    verdict = exercises.check_ring_all_reduce(deadlocks)
-    assert not verdict and "never finished" in repr(verdict)
-    assert not exercises.check_ring_all_reduce(still_a_stub)
+    with decisive((2, 1)):
+        verdict = exercises.check_ring_all_reduce(deadlocks)
+        assert not verdict and "never finished" in repr(verdict)
+        assert not exercises.check_ring_all_reduce(still_a_stub)
 
 
 def timing(barrier=True, warm_up=True, clock_after_barrier=True, mean="sum / world size"):
@@ -139,7 +148,8 @@ def test_all_reduce_timing_checker_accepts_the_solution_and_compares_the_predict
     (dict(mean="all calls"), "time is for all 20 calls together"),
 ])
 def test_all_reduce_timing_checker_names_each_wrong_answer(wrong, message):
-    verdict = exercises.check_all_reduce_timing(timing(**wrong), 2000.0)
+    with decisive(3 if "world_size=3" in message else 2):
+        verdict = exercises.check_all_reduce_timing(timing(**wrong), 2000.0)
     assert not verdict and message in repr(verdict), repr(verdict)
 
 
@@ -276,10 +286,12 @@ def test_one_bucket_average_names_each_wrong_answer():
         divided_by_two: "world_size=3, rank 0: you divided by 2, but the world size here is 3",
     }
     for wrong, message in expected.items():
-        verdict = exercises.check_one_bucket_average(wrong)
+        with decisive((3 if "world_size=3" in message else 2,)):
+            verdict = exercises.check_one_bucket_average(wrong)
         assert not verdict and message in repr(verdict), (wrong.__name__, repr(verdict))
     assert "divided by" not in repr(exercises.check_one_bucket_average(one_bucket_not_divided))
-    stub = exercises.check_one_bucket_average(still_a_stub)
+    with decisive((2,)):
+        stub = exercises.check_one_bucket_average(still_a_stub)
     assert not stub and stub.problems == ["still_a_stub still raises NotImplementedError: fill in the stub"]
 
 
@@ -317,7 +329,8 @@ def ring_all_gather(t):  # another right algorithm: n-1 steps around the ring, b
 
 def test_all_gather_checker_rejects_gathering_at_rank_0_and_sending_back():
     assert exercises.check_all_gather(ring_all_gather)
-    verdict = exercises.check_all_gather(gather_at_rank_0_and_send_back)
+    with decisive((4, 3)):
+        verdict = exercises.check_all_gather(gather_at_rank_0_and_send_back)
     assert not verdict
     assert ("world_size=4, length=3: rank 0 sent 108 bytes in 9 messages, every other rank at most 12 (its own "
             "tensor): that is gather-to-one-rank-and-send-back") in repr(verdict), repr(verdict)
@@ -350,14 +363,17 @@ def broadcast_twice(t):  # the tree, then rank 0 sends to everybody again: right
 
 
 def test_tree_broadcast_checker_counts_rounds_and_messages():
-    flat = exercises.check_tree_broadcast(flat_broadcast)
+    with decisive((4, 3), (5, 2)):
+        flat = exercises.check_tree_broadcast(flat_broadcast)
     assert not flat and ("world_size=4, length=3: 3 rounds: the longest chain of messages that wait for each other "
                          "is 0→1, then 0→2, then 0→3") in repr(flat), repr(flat)
     assert "ceil(log2 4) = 2: rank 0 sends all 3 messages itself" in repr(flat)
     assert "world_size=5, length=2: 4 rounds" in " ".join(flat.problems)
-    chain = exercises.check_tree_broadcast(chain_broadcast)
+    with decisive((4, 3)):
+        chain = exercises.check_tree_broadcast(chain_broadcast)
     assert not chain and "is 0→1, then 1→2, then 2→3" in repr(chain), repr(chain)
-    twice = exercises.check_tree_broadcast(broadcast_twice)
+    with decisive((2, 1)):
+        twice = exercises.check_tree_broadcast(broadcast_twice)
     assert not twice and ("world_size=2, length=1: rank 1 received 2 messages (8 bytes); in a broadcast each rank "
                           "but the root receives the 4-byte tensor exactly once") in repr(twice), repr(twice)
 
@@ -370,7 +386,8 @@ def reduce_then_broadcast(model):  # right mean, but two collectives per gradien
 
 
 def test_one_bucket_average_rejects_other_collectives_although_the_result_is_right():
-    verdict = exercises.check_one_bucket_average(reduce_then_broadcast)
+    with decisive((2,)):
+        verdict = exercises.check_one_bucket_average(reduce_then_broadcast)
     assert not verdict and verdict.problems[0].startswith(
         "world_size=2, rank 0: you called dist.reduce, dist.broadcast (8 call(s)) besides 0 all_reduce(s)"), \
         repr(verdict)
@@ -423,14 +440,15 @@ def mean_loss_extra_barrier_on_rank_0(loss):  # right values, but rank 0 calls o
 
 def test_mean_loss_checker():
     assert exercises.check_mean_loss(solutions.mean_loss)
-    hang = exercises.check_mean_loss(mean_loss_only_rank_0_reduces)
+    with decisive((1.0, 2.0)):   # world_size=2
+        hang = exercises.check_mean_loss(mean_loss_only_rank_0_reduces)
+        chatty = exercises.check_mean_loss(mean_loss_everybody_prints)
+        extra = exercises.check_mean_loss(mean_loss_extra_barrier_on_rank_0)
+        stub = exercises.check_mean_loss(still_a_stub)
     assert not hang and "Every rank must call every collective" in repr(hang), repr(hang)
-    chatty = exercises.check_mean_loss(mean_loss_everybody_prints)
     assert not chatty and "world_size=2: rank(s) [0, 1] printed; only rank 0 should print the mean" in repr(chatty)
-    extra = exercises.check_mean_loss(mean_loss_extra_barrier_on_rank_0)
     assert not extra and ("world_size=2: rank 0 called ['all_reduce', 'barrier'], rank 1 called ['all_reduce']: "
                           "every rank must call the same collectives") in repr(extra), repr(extra)
-    stub = exercises.check_mean_loss(still_a_stub)
     assert not stub and "still raises NotImplementedError" in repr(stub)
 
 
@@ -472,17 +490,18 @@ def test_fp16_compress_hook_checker_accepts_the_solution_and_pytorchs_own_hook()
 
 
 def test_fp16_compress_hook_checker_names_each_wrong_answer():
-    float32 = repr(exercises.check_fp16_compress_hook(float32_hook))
+    with decisive((2, 1.0)):
+        float32 = repr(exercises.check_fp16_compress_hook(float32_hook))
+        summed = repr(exercises.check_fp16_compress_hook(fp16_hook_without_dividing))
+        twice = repr(exercises.check_fp16_compress_hook(fp16_hook_twice))
+        stub = exercises.check_fp16_compress_hook(fp16_hook_stub)
     assert "sent float32 tensors" in float32 and "half the bytes" in float32
-    summed = repr(exercises.check_fp16_compress_hook(fp16_hook_without_dividing))
     assert "the sum over the ranks, not the mean" in summed
     # Right on ordinary gradients; only the case whose sum overflows float16 shows the order is wrong.
     after = exercises.check_fp16_compress_hook(fp16_hook_dividing_after_the_sum)
     assert not after and len(after.problems) == 1
     assert "near float16's limit" in after.problems[0] and "BEFORE the all-reduce" in after.problems[0]
-    twice = repr(exercises.check_fp16_compress_hook(fp16_hook_twice))
     assert "bytes" in twice and "each bucket once" in twice
-    stub = exercises.check_fp16_compress_hook(fp16_hook_stub)
     assert stub.problems == ["fp16_hook_stub still raises NotImplementedError: fill in the stub"]
     assert "expected a function" in repr(exercises.check_fp16_compress_hook(None))
 
@@ -568,7 +587,8 @@ def ring_then_a_constant(t):
 
 def test_a_learner_patch_of_torch_cannot_change_the_expected_values(monkeypatch):
     monkeypatch.setattr(torch, "arange", torch.arange)   # put back after the test, should it happen
-    verdict = exercises.check_ring_all_reduce(ring_then_a_constant)
+    with decisive((2, 1)):
+        verdict = exercises.check_ring_all_reduce(ring_then_a_constant)
     assert torch.arange is _real_arange                  # the learner's patch did not happen in the kernel
     assert not verdict and ("world_size=2, length=1, rank 0: expected a tensor, got a _PatchesTheKernel object"
                             in repr(verdict)), repr(verdict)
@@ -584,3 +604,42 @@ def test_a_function_that_cannot_be_sent_to_the_ranks_is_named_once():
     verdict = exercises.check_ring_all_reduce(holds_a_lock)
     assert not verdict and len(verdict.problems) == 1, repr(verdict)
     assert "could not run it on the ranks" in repr(verdict) and "cannot pickle '_thread.lock'" in repr(verdict)
+
+
+# ---- the cases of one world size share a launch, and the verdict is the one of a launch per case -----
+def test_a_checker_launches_once_per_world_size(monkeypatch):
+    sizes = []
+    real = runner.launch
+
+    def counted(fn, world_size, **how):
+        sizes.append(world_size)
+        return real(fn, world_size, **how)
+    monkeypatch.setattr(runner, "launch", counted)
+    assert exercises.check_ring_all_reduce(solutions.ring_all_reduce)
+    assert sorted(sizes) == [2, 3, 4], sizes   # 6 public cases and 1 drawn now, on 2, 3 and 4 ranks
+
+
+def wrong_then_raises(t):   # a wrong sum where the length is 1, an error where it is 5
+    if t.numel() == 5:
+        raise ValueError("five elements")
+    return t
+
+
+def wrong_once_then_thrown_off(t):
+    """A wrong sum where the length is 1; right elsewhere, unless the same rank ran it before."""
+    seen = getattr(dist, "_calls_in_this_rank", 0)
+    dist._calls_in_this_rank = seen + 1
+    return t if t.numel() == 1 or seen else solutions.ring_all_reduce(t)
+
+
+@pytest.mark.parametrize("wrong", [wrong_then_raises, wrong_once_then_thrown_off])
+def test_cases_sharing_a_launch_get_the_verdict_of_a_launch_each(monkeypatch, wrong):
+    """A launch of several cases that went wrong, or cases after one that went wrong in the same
+    ranks: each such case is launched again on its own, so the verdict is what one launch per case says."""
+    with decisive((2, 1), (2, 5)):
+        together = exercises.check_ring_all_reduce(wrong)
+        monkeypatch.setattr(runner.Checker, "_run_together", lambda self, *how: self._alone.add(self._at))
+        alone = exercises.check_ring_all_reduce(wrong)
+    assert len(alone.problems) == (2 if wrong is wrong_then_raises else 1), repr(alone)
+    assert [p.split(". Full logs")[0] for p in together.problems] == \
+        [p.split(". Full logs")[0] for p in alone.problems], (repr(together), repr(alone))

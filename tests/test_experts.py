@@ -4,9 +4,14 @@ each wrong answer by its rank, its token or its collective: also the answers who
 import torch
 import torch.distributed as dist
 
+from checker_cases import decisive
 from ddp_helpers import launch, solutions
 from ddp_helpers.exercises import experts
 from ddp_helpers.exercises.experts import check_dispatch_combine
+
+# The checker stops at the first case that is wrong: a wrong answer meets the first case only (the
+# solution meets every case).
+FIRST = (experts.CASES[0],)
 
 
 def test_the_solution_is_accepted():
@@ -23,13 +28,15 @@ def my_combine(y, weight, state):
 
 
 def test_the_stubs_are_named_the_dispatch_first():
-    verdict = check_dispatch_combine(my_dispatch, my_combine)
+    with decisive(FIRST):
+        verdict = check_dispatch_combine(my_dispatch, my_combine)
     text = repr(verdict)
     assert not verdict and text.endswith("- my_dispatch still raises NotImplementedError: fill in the stub"), text
 
 
 def test_a_stub_combine_is_named_after_a_right_dispatch():
-    verdict = check_dispatch_combine(solutions.dispatch, my_combine)
+    with decisive(FIRST):
+        verdict = check_dispatch_combine(solutions.dispatch, my_combine)
     text = repr(verdict)
     assert not verdict and "- my_combine still raises NotImplementedError: fill in the stub" in text, text
     assert "(dispatch passed: its collectives, splits and rows are right)" in text, text
@@ -70,7 +77,8 @@ def sum_everything(y, weight, state):
 
 
 def test_an_all_gather_of_every_token_gives_the_right_numbers_and_is_named_for_its_traffic():
-    verdict = check_dispatch_combine(gather_everything, sum_everything)
+    with decisive(FIRST):
+        verdict = check_dispatch_combine(gather_everything, sum_everything)
     text = repr(verdict)
     assert not verdict, text
     assert "rank 0: dispatch called all_gather on a (6, 4) tensor of rows" in text, text
@@ -115,7 +123,8 @@ def reversed_splits(x, expert, n_experts):
 
 
 def test_splits_in_the_wrong_order_are_named_with_the_rank_and_the_splits():
-    verdict = check_dispatch_combine(reversed_splits, solutions.combine)
+    with decisive(FIRST):
+        verdict = check_dispatch_combine(reversed_splits, solutions.combine)
     text = repr(verdict)
     assert not verdict, text
     assert "rank 0:" in text and "input_split_sizes [" in text, text
@@ -141,7 +150,8 @@ def rows_in_token_order(x, expert, n_experts):
 
 
 def test_rows_not_sorted_by_expert_are_named_by_rank_and_token_where_they_are_sent():
-    verdict = check_dispatch_combine(rows_in_token_order, solutions.combine)
+    with decisive(FIRST):
+        verdict = check_dispatch_combine(rows_in_token_order, solutions.combine)
     text = repr(verdict)
     assert not verdict, text
     r, t, e = experts._expected(experts.CASES[0], 13)[0]["sent_labels"][0]    # rank 0's first row, sorted
@@ -171,7 +181,8 @@ def rows_as_they_arrived(x, expert, n_experts):
 
 
 def test_rows_left_in_the_order_they_arrived_are_named_with_the_rank_and_row():
-    verdict = check_dispatch_combine(rows_as_they_arrived, solutions.combine)
+    with decisive(FIRST):
+        verdict = check_dispatch_combine(rows_as_they_arrived, solutions.combine)
     text = repr(verdict)
     assert not verdict, text
     want = experts._expected(experts.CASES[0], 13)[0]
@@ -192,7 +203,8 @@ def combine_in_given_order(y, weight, state):
 
 
 def test_a_combine_that_sends_the_outputs_by_expert_is_named_with_the_row_and_token():
-    verdict = check_dispatch_combine(solutions.dispatch, combine_in_given_order)
+    with decisive(FIRST):
+        verdict = check_dispatch_combine(solutions.dispatch, combine_in_given_order)
     text = repr(verdict)
     assert not verdict, text
     want = experts._expected(experts.CASES[0], 13)[0]
@@ -220,7 +232,8 @@ def no_counts_exchange(x, expert, n_experts):
 
 
 def test_forgetting_the_counts_exchange_is_named_in_the_first_case():
-    verdict = check_dispatch_combine(no_counts_exchange, solutions.combine)
+    with decisive(FIRST):
+        verdict = check_dispatch_combine(no_counts_exchange, solutions.combine)
     text = repr(verdict)
     assert not verdict, text
     first = text.splitlines()[1]
@@ -241,7 +254,8 @@ def unweighted_combine(y, weight, state):
 
 
 def test_a_combine_that_forgets_the_router_weights_is_named_with_the_token():
-    verdict = check_dispatch_combine(solutions.dispatch, unweighted_combine)
+    with decisive(FIRST):
+        verdict = check_dispatch_combine(solutions.dispatch, unweighted_combine)
     text = repr(verdict)
     assert not verdict, text
     assert "rank 0, token 0: got the plain sum of its experts' outputs" in text, text
@@ -264,7 +278,8 @@ def passthrough_combine(y, weight, state):
 
 
 def test_a_dropped_token_returned_as_itself_is_counted_twice_and_named():
-    verdict = check_dispatch_combine(dispatch_keeping_x, passthrough_combine)
+    with decisive(FIRST):
+        verdict = check_dispatch_combine(dispatch_keeping_x, passthrough_combine)
     text = repr(verdict)
     assert not verdict, text
     assert "every choice of it was dropped" in text and "counts it twice" in text, text
@@ -279,7 +294,8 @@ def sending_dropped_choices(x, expert, n_experts):
 
 
 def test_dropped_choices_sent_anyway_are_named_by_their_splits():
-    verdict = check_dispatch_combine(sending_dropped_choices, solutions.combine)
+    with decisive(FIRST):
+        verdict = check_dispatch_combine(sending_dropped_choices, solutions.combine)
     text = repr(verdict)
     assert not verdict, text
     assert "rank 0: the all_to_all_single of rows had input_split_sizes" in text, text
@@ -320,7 +336,8 @@ def unswapped_combine(y, weight, state):
 
 
 def test_an_error_in_the_combine_is_named_as_the_combines_with_its_splits():
-    verdict = check_dispatch_combine(solutions.dispatch, unswapped_combine)
+    with decisive(FIRST):
+        verdict = check_dispatch_combine(solutions.dispatch, unswapped_combine)
     text = repr(verdict)
     assert not verdict and "dispatch raised" not in text, text
     assert "rank 0: combine's all_to_all_single had input_split_sizes" in text, text
@@ -347,7 +364,8 @@ def list_all_to_all(x, expert, n_experts):
 
 
 def test_a_list_all_to_all_is_named_and_pointed_to_all_to_all_single():
-    verdict = check_dispatch_combine(list_all_to_all, solutions.combine)
+    with decisive(FIRST):
+        verdict = check_dispatch_combine(list_all_to_all, solutions.combine)
     text = repr(verdict)
     assert not verdict, text
     assert "rank 0: dispatch called dist.all_to_all with a list of tensors" in text, text

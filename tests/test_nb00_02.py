@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from checker_cases import decisive
 from ddp_helpers import exercises, launch, plots, solutions
 
 matplotlib.use("Agg")
@@ -33,12 +34,14 @@ def test_slowest_rank_accepts_one_all_reduce_of_every_time():
 def test_slowest_rank_names_a_stub():
     def stub(seconds):
         raise NotImplementedError("Try it")
-    verdict = exercises.check_slowest_rank(stub)
+    with decisive((0.25, 0.75)):
+        verdict = exercises.check_slowest_rank(stub)
     assert not verdict and "still raises NotImplementedError" in repr(verdict)
 
 
 def test_slowest_rank_rejects_no_communication():
-    verdict = exercises.check_slowest_rank(lambda seconds: (seconds.item(), dist.get_rank()))
+    with decisive((0.25, 0.75)):
+        verdict = exercises.check_slowest_rank(lambda seconds: (seconds.item(), dist.get_rank()))
     assert not verdict
     assert "no rank called a collective" in repr(verdict)
 
@@ -48,7 +51,8 @@ def test_slowest_rank_rejects_a_sum():
         t = seconds.clone()
         dist.all_reduce(t)                         # SUM, not MAX
         return t.item(), 0
-    verdict = exercises.check_slowest_rank(summed)
+    with decisive((0.25, 0.75)):
+        verdict = exercises.check_slowest_rank(summed)
     assert not verdict
     assert "expected the slowest time 0.75, got 1" in repr(verdict) and "ReduceOp.MAX" in repr(verdict)
 
@@ -59,7 +63,8 @@ def test_slowest_rank_rejects_gathering_everything():
         dist.all_gather_object(every, seconds.item())
         slowest = max(every)
         return slowest, every.index(slowest)
-    verdict = exercises.check_slowest_rank(gathered)
+    with decisive((0.25, 0.75)):
+        verdict = exercises.check_slowest_rank(gathered)
     assert not verdict
     assert "dist.all_gather_object: use dist.all_reduce only" in repr(verdict)
 
@@ -69,7 +74,8 @@ def test_slowest_rank_names_a_rank_that_names_itself():
         t = seconds.clone()
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.item(), dist.get_rank()
-    verdict = exercises.check_slowest_rank(itself)
+    with decisive((0.25, 0.75)):
+        verdict = exercises.check_slowest_rank(itself)
     assert not verdict
     assert "rank 0: the time is right, but the slowest rank is 1, not 0 (its own rank number)" in repr(verdict)
 
@@ -95,7 +101,8 @@ def test_slowest_rank_rejects_three_calls():
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return solutions.slowest_rank(seconds)
-    verdict = exercises.check_slowest_rank(three)
+    with decisive((0.25, 0.75)):
+        verdict = exercises.check_slowest_rank(three)
     assert not verdict and "called dist.all_reduce 4 times" in repr(verdict)
 
 
@@ -106,7 +113,8 @@ def test_slowest_rank_names_a_collective_only_one_rank_calls():
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.item(), 0
     started = time.monotonic()
-    verdict = exercises.check_slowest_rank(only_rank_0)
+    with decisive((0.25, 0.75), (0.5, 0.125, 0.375)):
+        verdict = exercises.check_slowest_rank(only_rank_0)
     assert not verdict
     assert "Every rank must call every collective" in repr(verdict)
     assert time.monotonic() - started < 120     # stuck once, not once per case
@@ -114,7 +122,8 @@ def test_slowest_rank_names_a_collective_only_one_rank_calls():
 
 def test_the_old_exercise_of_00_still_checks():
     assert exercises.check_rank_squares(solutions.my_square)
-    assert not exercises.check_rank_squares(lambda: dist.get_rank() * 2)
+    with decisive((2,)):
+        assert not exercises.check_rank_squares(lambda: dist.get_rank() * 2)
 
 
 # ---- notebook 02: ping-pong ---------------------------------------------------------------------

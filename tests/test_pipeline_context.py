@@ -4,6 +4,7 @@ and its byte counter counts what the ranks sent."""
 import torch
 import torch.distributed as dist
 
+from checker_cases import decisive
 from ddp_helpers import exercises, launch, solutions
 
 
@@ -22,12 +23,14 @@ def test_the_solution_is_accepted():
 def test_the_stub_is_named():
     def stub(forward, backward, m, rank, p):
         raise NotImplementedError("Try it")
-    verdict = exercises.check_one_f_one_b(stub)
+    with decisive((2, 4)):
+        verdict = exercises.check_one_f_one_b(stub)
     assert not verdict and "still raises NotImplementedError" in repr(verdict)
 
 
 def test_gpipe_gives_the_right_gradients_and_is_rejected_for_its_memory():
-    verdict = exercises.check_one_f_one_b(gpipe)
+    with decisive((2, 4)):
+        verdict = exercises.check_one_f_one_b(gpipe)
     text = repr(verdict)
     assert not verdict and "rank 0 held 4 micro-batches' activations at once" in text, text
     assert "that is GPipe's memory" in text and "at most 2" in text
@@ -38,7 +41,8 @@ def test_an_order_that_never_fills_the_pipeline_is_rejected_for_its_bubble():
         for i in range(m):
             forward(i)
             backward(i)
-    verdict = exercises.check_one_f_one_b(one_at_a_time)
+    with decisive((2, 4)):
+        verdict = exercises.check_one_f_one_b(one_at_a_time)
     text = repr(verdict)
     assert not verdict and "rank 0 idles 50% of the step" in text and "(p-1)/(m+p-1) = 20%" in text, text
 
@@ -46,7 +50,8 @@ def test_an_order_that_never_fills_the_pipeline_is_rejected_for_its_bubble():
 def test_a_missing_backward_is_named():
     def forgets_the_last(forward, backward, m, rank, p):
         solutions.one_f_one_b(forward, lambda i: None if i == m - 1 else backward(i), m, rank, p)
-    verdict = exercises.check_one_f_one_b(forgets_the_last)
+    with decisive((2, 4)):
+        verdict = exercises.check_one_f_one_b(forgets_the_last)
     assert not verdict and "rank 0 never ran backward(3)" in repr(verdict), repr(verdict)
 
 
@@ -56,7 +61,8 @@ def test_backwards_out_of_order_are_named():
             forward(i)
         for i in reversed(range(m)):
             backward(i)
-    verdict = exercises.check_one_f_one_b(last_first)
+    with decisive((2, 4)):
+        verdict = exercises.check_one_f_one_b(last_first)
     assert not verdict and "ran its backwards in the order [3, 2, 1, 0]" in repr(verdict), repr(verdict)
 
 
@@ -67,14 +73,16 @@ def test_an_extra_message_is_named():
             dist.send(torch.zeros(1), dst=0)
         if rank == 0:
             dist.recv(torch.zeros(1), src=1)
-    verdict = exercises.check_one_f_one_b(chatty)
+    with decisive((2, 4)):
+        verdict = exercises.check_one_f_one_b(chatty)
     assert not verdict and "rank 1 sent a message of 4 bytes to rank 0" in repr(verdict), repr(verdict)
 
 
 def test_a_backward_before_its_forward_is_named():
     def backward_first(forward, backward, m, rank, p):
         backward(0)
-    verdict = exercises.check_one_f_one_b(backward_first)
+    with decisive((2, 4)):
+        verdict = exercises.check_one_f_one_b(backward_first)
     assert not verdict and "backward(0) on rank" in repr(verdict) and "before forward(0)" in repr(verdict)
 
 

@@ -5,6 +5,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from checker_cases import decisive
 from ddp_helpers import exercises, launch, sharding, solutions
 from ddp_helpers.exercises.sharding import expected_shard, full_tensor
 from ddp_helpers.sharding import all_gather_single
@@ -22,7 +23,8 @@ def test_stubs_say_fill_in():
     def stub_shard(full, rank, world_size):
         raise NotImplementedError
 
-    verdict = exercises.check_shard_and_reassemble(stub_shard, solutions.solution_reassemble)
+    with decisive((2, (6, 3))):
+        verdict = exercises.check_shard_and_reassemble(stub_shard, solutions.solution_reassemble)
     assert not verdict and "NotImplementedError" in repr(verdict)
 
 
@@ -67,27 +69,32 @@ def reassemble_per_row(shard, rows):                   # one all-gather per row:
 
 
 def test_unpadded_shard_is_named():
-    problems = repr(exercises.check_shard_and_reassemble(unpadded_shard, solutions.solution_reassemble))
+    with decisive((2, (5, 2))):
+        problems = repr(exercises.check_shard_and_reassemble(unpadded_shard, solutions.solution_reassemble))
     assert "rank 1" in problems and "expected shape" in problems and "pad with zeros" in problems, problems
 
 
 def test_wrong_rows_name_rank_and_element():
-    problems = repr(exercises.check_shard_and_reassemble(wrong_rows_shard, solutions.solution_reassemble))
+    with decisive((2, (5, 2))):
+        problems = repr(exercises.check_shard_and_reassemble(wrong_rows_shard, solutions.solution_reassemble))
     assert "world_size=2, shape (5, 2), rank 0: my_shard: element (2, 0): expected 5, got 0" in problems, problems
 
 
 def test_all_reduce_is_rejected_although_the_result_is_right():
-    problems = repr(exercises.check_shard_and_reassemble(solutions.solution_shard, reassemble_with_all_reduce))
+    with decisive((2, (6, 3))):
+        problems = repr(exercises.check_shard_and_reassemble(solutions.solution_shard, reassemble_with_all_reduce))
     assert "dist.all_reduce" in problems and "one all-gather" in problems, problems
 
 
 def test_padding_left_in_is_named():
-    problems = repr(exercises.check_shard_and_reassemble(solutions.solution_shard, reassemble_keeping_padding))
+    with decisive((2, (5, 2))):
+        problems = repr(exercises.check_shard_and_reassemble(solutions.solution_shard, reassemble_keeping_padding))
     assert "world_size=2, shape (5, 2), rank 0: my_reassemble: expected shape (5, 2), got (6, 2)" in problems, problems
 
 
 def test_several_all_gathers_are_rejected():
-    problems = repr(exercises.check_shard_and_reassemble(solutions.solution_shard, reassemble_per_row))
+    with decisive((2, (6, 3))):
+        problems = repr(exercises.check_shard_and_reassemble(solutions.solution_shard, reassemble_per_row))
     assert "all-gather 3 times" in problems, problems
 
 

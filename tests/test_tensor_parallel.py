@@ -4,6 +4,7 @@ import matplotlib
 import torch
 import torch.distributed as dist
 
+from checker_cases import decisive
 from ddp_helpers import exercises, parallel_plots, solutions
 
 matplotlib.use("Agg")
@@ -89,36 +90,42 @@ def test_the_list_form_of_reduce_scatter_is_accepted_too():
 
 
 def test_gathering_the_inputs_is_rejected_though_the_numbers_are_right():
-    problems = repr(exercises.check_row_parallel(gather_everything))
+    with decisive(((2, 2, 4, 6, 5),)):
+        problems = repr(exercises.check_row_parallel(gather_everything))
     assert "world_size=2, sequence_parallel=False, rank 0: called dist.all_gather" in problems, problems
     assert "local matmul" in problems
 
 
 def test_the_bias_added_on_every_rank_is_named():
-    problems = repr(exercises.check_row_parallel(bias_before_the_sum))
+    with decisive(((2, 2, 4, 6, 5),)):
+        problems = repr(exercises.check_row_parallel(bias_before_the_sum))
     assert "sequence_parallel=False, rank 0: the bias is in the result 2 times" in problems, problems
 
 
 def test_an_all_reduce_for_sequence_parallelism_is_rejected_though_the_numbers_are_right():
-    problems = repr(exercises.check_row_parallel(all_reduce_then_slice))
+    with decisive(((2, 2, 4, 6, 5),)):
+        problems = repr(exercises.check_row_parallel(all_reduce_then_slice))
     assert "sequence_parallel=False" not in problems, problems
     assert ("world_size=2, sequence_parallel=True, rank 0: called dist.all_reduce: the row-parallel forward "
             "needs one reduce-scatter") in problems, problems
 
 
 def test_scattering_the_batch_is_named():
-    problems = repr(exercises.check_row_parallel(scatter_the_batch))
+    with decisive(((2, 2, 4, 6, 5),)):
+        problems = repr(exercises.check_row_parallel(scatter_the_batch))
     assert "world_size=2, sequence_parallel=True, rank 0: expected shape (2, 2, 5), got (1, 4, 5)" in problems
     assert "slice of the batch" in problems, problems
 
 
 def test_two_collectives_are_rejected_though_the_numbers_are_right():
-    problems = repr(exercises.check_row_parallel(one_all_reduce_per_half))
+    with decisive(((2, 2, 4, 6, 5),)):
+        problems = repr(exercises.check_row_parallel(one_all_reduce_per_half))
     assert "world_size=2, sequence_parallel=False, rank 0: made 2 all_reduce calls" in problems, problems
 
 
 def test_the_stub_is_recognised():
-    verdict = exercises.check_row_parallel(still_a_stub)
+    with decisive(((2, 2, 4, 6, 5),)):
+        verdict = exercises.check_row_parallel(still_a_stub)
     assert not verdict and "still raises NotImplementedError" in repr(verdict)
 
 

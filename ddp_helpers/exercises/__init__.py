@@ -17,7 +17,8 @@ The package, one concern a module:
     plain      what travels from a rank to the kernel: plain data only (`to_plain`, `from_plain`)
     spies      the one layer of spies: patch-and-restore of dist.*, call logs, p2p recording,
                the dispatch-mode recorder of c10d collectives
-    runner     the one case runner (launch, hangs, errors, the stub, plain results, unseen cases)
+    runner     the one case runner (launch, hangs, errors, the stub, plain results, unseen cases;
+               the cases of one world size in one launch)
     traffic    who sent what to whom, and the longest chain of messages (rounds)
     collective_log  every c10d collective a rank runs, with its bytes and all-to-all splits
     welcome 00 · collectives 00-03 · timing 04 · data_parallel 05 · ddp_cifar10 06 ·

@@ -47,10 +47,15 @@ def _check(title, fn, cases, make_input, expected, forbidden=(), hint="", algori
     cases = [case + (None,) * (3 - len(case)) for case in cases]
     wants = {case: [expected(rank, *case) for rank in range(case[0])] for case in [*cases, *unseen]}
     check = runner.Checker(title, fn)
-    for world_size, length, seed in check.each(cases, unseen):
+    in_rank = run_counting_p2p if algorithm else _run_in_rank
+
+    def plan(case):
+        world_size, length, seed = case
+        return in_rank, world_size, (fn, lambda r, n, k=length, s=seed: make_input(r, n, k, s), forbidden)
+
+    for world_size, length, seed in check.each(cases, unseen, plan):
         label = check.label(f"world_size={world_size}" + (f", length={length}" if length is not None else ""))
-        inputs = (fn, lambda r, n, k=length, s=seed: make_input(r, n, k, s), forbidden)
-        got = check.run(run_counting_p2p if algorithm else _run_in_rank, world_size, inputs, label,
+        got = check.run(*check.planned, label,
                         never_finished=f"a send without its recv, or the other way round? {hint}", on_error=hint)
         if got is None:
             continue

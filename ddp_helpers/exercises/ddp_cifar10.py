@@ -139,11 +139,12 @@ def check_exact_accuracy(fn: Callable[[torch.Tensor, int], float]) -> Verdict:
     wants = {case: int(_truth(case[0], case[3]).sum()) / case[0] for case in cases + unseen}
     check = runner.Checker(title, who=runner.name_of(fn, "fn"), stop_after_error=True)
     problems = check.problems
-    for n_images, world_size, shuffle, seed in check.each(cases, unseen):
+    for n_images, world_size, shuffle, seed in check.each(
+            cases, unseen, lambda case: (_accuracy_in_rank, case[1], (fn, case[0], *case[2:]))):
         label = check.label(f"{n_images} test images on {world_size} ranks")
         want = wants[n_images, world_size, shuffle, seed]
         runs = check.run(
-            _accuracy_in_rank, world_size, (fn, n_images, shuffle, seed), label,
+            *check.planned, label,
             never_finished="they wait in a collective another rank never calls: every rank must make the "
                            "same calls (is a collective inside `if dist.get_rank() == 0`?)",
             partner_left=": its partner had left. Does every rank call the same collectives?")

@@ -47,12 +47,12 @@ def check_mean_loss(fn: Callable[[float], float]) -> Verdict:
     unseen = runner.unseen(_draw_losses)
     check = runner.Checker(title, fn)
     problems = check.problems
-    for losses in check.each(public, unseen):
+    for losses in check.each(public, unseen, lambda losses: (_mean_loss_in_rank, len(losses), (fn, losses))):
         world_size = len(losses)
         label = check.label(f"world_size={world_size}" + (f", losses={list(losses)}" if check.drawn else ""))
         want = sum(losses) / world_size
         results = check.run(
-            _mean_loss_in_rank, world_size, (fn, losses), label,
+            *check.planned, label,
             never_finished="they wait in a collective that another rank never calls. Is a collective inside "
                            "`if dist.get_rank() == 0`? Every rank must call every collective; only the print "
                            "belongs in the if",

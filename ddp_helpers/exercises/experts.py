@@ -352,13 +352,18 @@ def check_dispatch_combine(dispatch: Callable, combine: Callable) -> Verdict:
     cases, unseen = [(case, 13 + i) for i, case in enumerate(CASES)], runner.unseen(_draw_case)
     wants = {key: _expected(*key) for key in cases + unseen}   # before any of the learner's code runs
     check = runner.Checker(title, who=f"{runner.name_of(dispatch)} / {runner.name_of(combine)}")
-    for case, seed in check.each(cases, unseen):
+    def plan(case_seed):
+        case, seed = case_seed
+        want = wants[case, seed]
+        return _in_rank, case[0], (dispatch, combine, case, seed, [w["received"] for w in want],
+                                   [w["y"] for w in want])
+
+    for case, seed in check.each(cases, unseen, plan):
         world_size, tokens, width, n_experts, k, cf = case
         label = check.label(f"world_size={world_size}, {n_experts} experts, top-{k}, {tokens} tokens per rank")
         want = wants[case, seed]
         results = check.run(
-            _in_rank, world_size,
-            (dispatch, combine, case, seed, [w["received"] for w in want], [w["y"] for w in want]), label,
+            *check.planned, label,
             never_finished="they wait in an all-to-all another rank never joined, or with sizes that do "
                            "not match (every rank calls the same collectives, and rank j's "
                            "output_split_sizes[i] equals rank i's input_split_sizes[j])",

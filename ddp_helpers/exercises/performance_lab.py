@@ -129,10 +129,12 @@ def check_fp16_compress_hook(hook: Callable) -> Verdict:
     problems = check.problems
     unseen = runner.unseen(lambda rng: (rng.randint(2, 3), 1.0, False, rng.randrange(2, 2**40)))
     for world_size, scale, overflow_case, seed in check.each(((2, 1.0, False, 1), (3, 1.0, False, 1),
-                                                              (2, 0.95 * _FP16_MAX / largest_own, True, 1)), unseen):
+                                                              (2, 0.95 * _FP16_MAX / largest_own, True, 1)), unseen,
+                                                             lambda case: (_compress_hook_in_rank, case[0],
+                                                                           (hook, case[1], case[3]))):
         label = check.label(f"world_size={world_size}" + (", gradients near float16's limit" if overflow_case else ""))
         results = check.run(
-            _compress_hook_in_rank, world_size, (hook, scale, seed), label, timeout=30,
+            *check.planned, label, timeout=30,
             never_finished="every rank's hook must all-reduce each bucket once")
         if results is None:
             continue

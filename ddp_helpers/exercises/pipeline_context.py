@@ -240,12 +240,17 @@ def check_one_f_one_b(fn: Callable[[Callable, Callable, int, int, int], None]) -
     unseen = runner.unseen(_draw_case)
     references = {case: _reference(*case) for case in _CASES + unseen}   # before any of the learner's code runs
     check = runner.Checker(title, fn)
-    for p, m in check.each(_CASES, unseen):
+    forbidden = ("all_reduce", "all_gather", "broadcast", "reduce_scatter", "barrier")
+
+    def plan(case):
+        p, m = case
+        return run_counting_p2p, p, (_pipeline_in_rank, lambda r, n: (fn, p, m), forbidden)
+
+    for p, m in check.each(_CASES, unseen, plan):
         label = check.label(f"p={p} stages, m={m} micro-batches")
         grads_ref, units = references[p, m]
-        forbidden = ("all_reduce", "all_gather", "broadcast", "reduce_scatter", "barrier")
         got = check.run(
-            run_counting_p2p, p, (_pipeline_in_rank, lambda r, n: (fn, p, m), forbidden), label,
+            *check.planned, label,
             never_finished="a backward(i) waits for the next stage's backward(i), which needs forward(i) to "
                            "have gone through every stage first")
         if got is None:

@@ -14,6 +14,11 @@ and the checker compares exact types (`verdict.difference`).
 
 A checker's public cases may be looked up by an answer; `unseen` draws more at check time, from the
 operating system's entropy, and `Checker.each` runs them after the public ones have passed.
+
+A launch costs far more than a case: given a `plan` (what each case launches), `Checker.each` runs the
+cases of one world size in one launch (`run_cases`), one after another in the same ranks. Where that
+launch goes wrong in any way (a rank raised, hung, died, or sent something not plain), its cases run
+again one launch each, so what the verdict says is what one launch per case says.
 """
 from __future__ import annotations
 
@@ -113,11 +118,20 @@ def run_case(in_rank: Callable, world_size: int, args: tuple, label: str, *, tim
     The results are plain data: exact builtin types and exact tensors, or `plain.Foreign`. Where Gloo
     said a rank received more data than it expected, the line says so, then `size_mismatch` (or
     SIZE_MISMATCH)."""
+    return _run(_plain_in_rank, plain.from_plain, in_rank, world_size, tuple(args), label, timeout=timeout,
+                never_finished=never_finished, partner_left=partner_left, size_mismatch=size_mismatch,
+                on_error=on_error, init=init)
+
+
+def _run(target: Callable, read: Callable, in_rank: Callable, world_size: int, args, label: str, *,
+         timeout: float | None, never_finished: str = "", partner_left: str = "", size_mismatch: str = "",
+         on_error: str = "", init: bool = True) -> Outcome:
+    """run_case's work: `target(in_rank, args)` in the ranks, `read` of what each rank sent."""
     try:
         with _reading_plain_data_only():
-            sent = launch(_plain_in_rank, world_size, args=(in_rank, tuple(args)),
+            sent = launch(target, world_size, args=(in_rank, args),
                           timeout=HANG_TIMEOUT_S if timeout is None else timeout, init=init, quiet=True)
-        results = [plain.from_plain(value) for value in sent]
+        results = [read(value) for value in sent]
     except plain.NotPlain as err:
         return Outcome(problem=f"{label}: {NOT_PLAIN.format(err)}".lstrip(": "), kind="error", error=err)
     except WorkerTimeout as err:
@@ -141,12 +155,47 @@ def run_case(in_rank: Callable, world_size: int, args: tuple, label: str, *, tim
     return Outcome(results=results)
 
 
+def _cases_in_rank(in_rank: Callable, args_list: list) -> list:
+    """Inside a rank: in_rank(*args) for each case's args, one after another, each result described
+    with builtin types (plain.to_plain); the first error ends the launch (as plain text)."""
+    return [_plain_in_rank(in_rank, tuple(args)) for args in args_list]
+
+
+def _read_cases(count: int) -> Callable:
+    def read(sent):
+        if type(sent) is not list or len(sent) != count:
+            raise plain.NotPlain(f"{plain.type_name(sent)} where one result per case was expected")
+        return [plain.from_plain(value) for value in sent]
+    return read
+
+
+def run_cases(in_rank: Callable, world_size: int, args_list: list, *, timeout: float | None = None,
+              init: bool = True) -> list[list] | Outcome:
+    """`in_rank(*args)` for every args of `args_list`, in order, in one launch of `world_size` Gloo ranks:
+    each case's results by rank, or the Outcome that says what went wrong, with no label (which case it
+    was is found by running the cases alone: see Checker.run). `timeout` is one case's (HANG_TIMEOUT_S by
+    default); the launch may take a quarter of it more for each further case."""
+    one = HANG_TIMEOUT_S if timeout is None else timeout
+    outcome = _run(_cases_in_rank, _read_cases(len(args_list)), in_rank, world_size, list(args_list), "",
+                   timeout=one * (1 + (len(args_list) - 1) / 4), init=init)
+    if not outcome.ok:
+        return outcome
+    return [[by_rank[i] for by_rank in outcome.results] for i in range(len(args_list))]
+
+
 class Checker:
     """One checker's walk through its cases: `for case in check.each(cases)`, `results =
     check.run(...)` (None when the case went wrong: its problem is noted), then `check.verdict()`.
     The walk stops after a hang (the other cases would hang the same way), after a function that cannot
     be sent to the ranks (nor could it for the next case), after any failed case
-    with `stop_after_error`, or when the learner's function is still the stub (the verdict says so)."""
+    with `stop_after_error`, or when the learner's function is still the stub (the verdict says so).
+
+    With `check.each(cases, unseen, plan=...)`, plan(case) gives what the case launches, (in_rank,
+    world_size, args); the loop runs it with `check.run(*check.planned, label, **how)`. The first such
+    run launches every case still to come of that in_rank and world size at once (`run_cases`, unseen
+    ones too). A case's results come from ranks where every earlier case passed: after a case that
+    went wrong, the later ones are launched again; where a launch went wrong (a rank raised, hung, died,
+    sent something not plain), each of its cases runs alone, as without a plan."""
 
     def __init__(self, title: str, fn=None, who: str | None = None, stub: str | None = None,
                  stop_after_error: bool = False):
@@ -155,19 +204,32 @@ class Checker:
         self._stub = self._stopped = False
         self._stop_after_error = stop_after_error
         self.drawn = False   # True while the unseen cases run
+        self._plan: list[tuple] = []
+        self._at = -1                       # the position of the case the walk is at, in the plan
+        self._ran: dict[int, tuple] = {}    # a position's (launch, results) from a launch of several cases
+        self._alone: set[int] = set()       # positions whose launch of several cases went wrong
+        self._launches = 0                  # launches of several cases so far
+        self._handed: dict[int, int] = {}   # a launch: the problems noted when its last results were handed out
 
-    def each(self, cases: Iterable, unseen: Iterable = ()) -> Iterator:
+    def each(self, cases: Iterable, unseen: Iterable = (), plan: Callable | None = None) -> Iterator:
         """The public cases, then, only when every one of them passed, the `unseen` ones (drawn at
         check time: see `unseen`), with `drawn` True."""
-        for case in cases:
+        cases, unseen = list(cases), list(unseen)
+        self._plan = [plan(case) for case in cases + unseen] if plan else []
+        for self._at, case in enumerate(cases):
             if self._stub or self._stopped:
                 return
             yield case
         self.drawn = True
-        for case in unseen:
+        for self._at, case in enumerate(unseen, len(cases)):
             if self._stub or self._stopped or self.problems:
                 return
             yield case
+
+    @property
+    def planned(self) -> tuple:
+        """What the current case launches: (in_rank, world_size, args), from each's plan."""
+        return self._plan[self._at]
 
     def label(self, text: str) -> str:
         """A case's label, which says so when the case was drawn at random now."""
@@ -179,6 +241,21 @@ class Checker:
 
     def run(self, in_rank: Callable, world_size: int, args: tuple, label: str, **how) -> list | None:
         """run_case(in_rank, world_size, args, label, **how): the results by rank, or None."""
+        if self._plan and 0 <= self._at < len(self._plan) and self._plan[self._at][2] is args \
+                and self._at not in self._alone:
+            launch_id = self._ran.get(self._at, (None,))[0]
+            if launch_id is not None and len(self.problems) > self._handed.get(launch_id, len(self.problems)):
+                # a case of that launch went wrong: the cases after it in the same ranks may have
+                # been thrown off by it, so they run again, in ranks of their own
+                self._ran = {at: ran for at, ran in self._ran.items() if ran[0] != launch_id}
+            if self._at not in self._ran:
+                self._run_together(how.get("timeout"), how.get("init", True))
+            if self._at in self._ran:
+                launch_id, results = self._ran.pop(self._at)
+                self._handed[launch_id] = len(self.problems)
+                return results
+            if self._stub:
+                return None
         outcome = run_case(in_rank, world_size, args, label, **how)
         if outcome.kind == "stub":
             self._stub = True
@@ -188,6 +265,23 @@ class Checker:
             self._stopped = outcome.kind in ("timeout", "unsendable") or self._stop_after_error
             return None
         return outcome.results
+
+    def _run_together(self, timeout: float | None, init: bool) -> None:
+        """The current case and every later one with its in_rank and world size, in one launch."""
+        in_rank, world_size, _ = self._plan[self._at]
+        together = [i for i in range(self._at, len(self._plan))
+                    if self._plan[i][0] is in_rank and self._plan[i][1] == world_size and i not in self._alone]
+        if len(together) == 1:   # one case: its own launch, as without a plan
+            self._alone.add(self._at)
+            return
+        got = run_cases(in_rank, world_size, [self._plan[i][2] for i in together], timeout=timeout, init=init)
+        if isinstance(got, Outcome):
+            if got.kind == "stub":
+                self._stub = True
+            self._alone.update(together)
+            return
+        self._launches += 1
+        self._ran.update((at, (self._launches, results)) for at, results in zip(together, got))
 
     def still_a_stub(self) -> None:
         """The learner's function raised NotImplementedError inside the checker's own code."""

@@ -123,10 +123,11 @@ def check_shard_and_reassemble(shard_fn: Callable[[torch.Tensor, int, int], torc
         full = full_tensor(shape, seed)
         wants[world_size, shape, seed] = full, [expected_shard(full, rank, world_size) for rank in range(world_size)]
     check = runner.Checker(title, stub="still raises NotImplementedError: fill in the stubs")
-    for world_size, shape, seed in check.each(cases, unseen):
+    for world_size, shape, seed in check.each(
+            cases, unseen, lambda case: (_shard_case_in_rank, case[0], (shard_fn, reassemble_fn, *case[1:]))):
         label = check.label(f"world_size={world_size}, shape {shape}")
         results = check.run(
-            _shard_case_in_rank, world_size, (shard_fn, reassemble_fn, shape, seed), label, timeout=20,
+            *check.planned, label, timeout=20,
             never_finished="every rank must make the same collective calls, with shards of the same size")
         if results is None:
             continue

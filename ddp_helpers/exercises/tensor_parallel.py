@@ -132,11 +132,12 @@ def check_row_parallel(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, b
     cases, unseen = [(shape, None) for shape in ROW_PARALLEL_CASES], runner.unseen(_draw_case)
     wants = {case: _expected(*case) for case in cases + unseen}
     check = runner.Checker(title, fn)
-    for shape, seed in check.each(cases, unseen):
+    for shape, seed in check.each(cases, unseen,
+                                  lambda case: (_row_parallel_in_rank, case[0][0], (fn, case[0][1:], case[1]))):
         world_size = shape[0]
         label = check.label(f"world_size={world_size}" + (f", shape {shape[1:]}" if check.drawn else ""))
         results = check.run(
-            _row_parallel_in_rank, world_size, (fn, shape[1:], seed), label,
+            *check.planned, label,
             timeout=2 * runner.HANG_TIMEOUT_S,
             never_finished="they wait in a collective another rank never joined: every rank must make the "
                            "same collective calls, with tensors of the same size",

@@ -69,11 +69,12 @@ def check_slowest_rank(fn: Callable[[torch.Tensor], tuple[float, int]]) -> Verdi
     wants = {seconds: _expected(seconds) for seconds in SLOWEST_RANK_CASES + unseen}
     check = runner.Checker(title, fn)
     problems = check.problems
-    for seconds_per_rank in check.each(SLOWEST_RANK_CASES, unseen):
+    for seconds_per_rank in check.each(SLOWEST_RANK_CASES, unseen,
+                                       lambda times: (_slowest_in_rank, len(times), (fn, times))):
         world_size = len(seconds_per_rank)
         label = check.label(f"world_size={world_size}, seconds={list(seconds_per_rank)}")
         results = check.run(
-            _slowest_in_rank, world_size, (fn, seconds_per_rank), label,
+            *check.planned, label,
             never_finished="they wait in a collective that another rank never calls. Is a collective "
                            "inside an `if`? Every rank must call every collective, in the same order",
             partner_left=": its partner had left without joining the collective. Is a collective inside "
