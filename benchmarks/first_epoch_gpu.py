@@ -25,7 +25,7 @@ FIRST_STEPS = 12
 
 
 def probe(cudnn_benchmark, workers, per_class=None):
-    import torch            # imported here: the function travels to the rank by value
+    import torch  # imported here: the function travels to the rank by value
     import torch.distributed as dist
 
     from ddp_helpers import train

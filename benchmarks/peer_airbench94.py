@@ -27,9 +27,9 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 import torch  # noqa: E402
+from ddp_cifar_gpu import describe_data, describe_machine  # noqa: E402
 
 from ddp_helpers import data  # noqa: E402
-from ddp_cifar_gpu import describe_data, describe_machine  # noqa: E402
 
 
 def parse_args(argv=None):

@@ -41,7 +41,6 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ddp_cifar_gpu as bench  # noqa: E402  (also puts the repository on the path, keeps NVLS off)
-
 import torch  # noqa: E402
 
 from ddp_helpers import WorkerError, data, launch, machine, speed  # noqa: E402

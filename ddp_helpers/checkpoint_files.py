@@ -9,7 +9,7 @@ import io
 import os
 import stat
 import zipfile
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

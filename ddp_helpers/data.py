@@ -291,7 +291,7 @@ def normalize(images: torch.Tensor) -> torch.Tensor:
     return (images.float() - mean) / std
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _channel_stats(device):
     """MEAN and STD (0-255 scale) on `device`, made once: copying them from the host at every
     batch would make the CPU wait for the GPU each time (a copy from ordinary host memory

@@ -30,11 +30,24 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import gpu_leases
+
 # The input checks and the errors live in modules of their own (the pool and %%ddp use them without
 # the launcher); their names stay importable from here, as they always were.
-from .launch_checks import (BACKENDS, MAX_SEED, MAX_TIMEOUT_S, MAX_WORLD_SIZE, NO_GPU_ZERO,  # noqa: F401
-                            TORCHRUN_VARIABLES, check_env, check_gpu_wait, check_seed, check_timeout,
-                            check_world_size, pickle_job, resolve_backend)
+from .launch_checks import (  # noqa: F401
+    BACKENDS,
+    MAX_SEED,
+    MAX_TIMEOUT_S,
+    MAX_WORLD_SIZE,
+    NO_GPU_ZERO,
+    TORCHRUN_VARIABLES,
+    check_env,
+    check_gpu_wait,
+    check_seed,
+    check_timeout,
+    check_world_size,
+    pickle_job,
+    resolve_backend,
+)
 from .launch_errors import WorkerError, WorkerTimeout, error_from_record, insert_hint, timeout_error  # noqa: F401
 from .runtime import private_net
 from .runtime.error_record import ErrorRecord

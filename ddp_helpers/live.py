@@ -31,8 +31,8 @@ from matplotlib.ticker import MaxNLocator
 
 from . import data
 from . import train as train_module
-from .progress import METRICS_PREFIX
 from .launcher import launch
+from .progress import METRICS_PREFIX
 
 REDRAW_EVERY_S = 0.5  # at most this often (drawing a figure takes ~0.1 s of the kernel's CPU)
 

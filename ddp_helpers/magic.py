@@ -94,12 +94,12 @@ from .launch_checks import NO_GPU_ZERO, check_seed, check_timeout, check_world_s
 from .launch_errors import WorkerError
 from .launcher import launch
 from .pool import Pool
+from .runtime.cell_exec import run_cell
 from .runtime.cells import PerRank, globals_to_send
 from .runtime.debug_session import answering, someone_to_ask
 from .runtime.output import output_sink
 from .runtime.rank_views import TabSink
 from .runtime.stacks import timeout_called
-from .runtime.cell_exec import run_cell
 
 LINE_COMMANDS = ("start", "stop", "status", "push", "pull", "debug")
 

@@ -21,11 +21,11 @@ from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
-
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from . import speed
 from .launcher import WorkerError, launch
+
 
 # ------------------------------------------------------------------ reading a training run
 def counted_throughput(record: dict, warmup_steps: int) -> float:

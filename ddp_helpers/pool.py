@@ -34,17 +34,17 @@ from typing import Any, Literal, NoReturn
 import cloudpickle
 import psutil
 
+from . import gpu_leases
 from .launch_checks import check_env, check_gpu_wait, check_seed, check_timeout, check_world_size, resolve_backend
 from .launch_errors import WorkerError, error_from_record, timeout_error
-from . import gpu_leases
 from .runtime.cells import PerRank, dumps, dumps_with_sources, globals_to_send
 from .runtime.debug_session import NO_ONE, answering
 from .runtime.error_record import ErrorRecord
 from .runtime.protocol import Call, Debug, Exec, Pull, Push, Reply, Request, Stop
+from .runtime.rank_setup import WorkerJob
 from .runtime.serve import serve
 from .runtime.stacks import stacks_of
 from .runtime.supervisor import Supervisor, describe_exit, interrupted
-from .runtime.rank_setup import WorkerJob
 
 PG_TIMEOUT_S = 600       # collectives inside a cell; cells have their own timeout
 STUCK_AFTER_ERROR_S = 5  # after a rank raises, how long the others may take to finish

@@ -115,7 +115,7 @@ _COLOURS = {"parameters": "#4C72B0", "gradients": "#DD8452", "optimizer state": 
 def plot_memory_table(rows: list[dict],
                       title: str = "Bytes per rank: computed (hatched) and what rank 0 holds (solid)") -> Figure:
     """Stacked bars per scheme and N: the computed bytes beside what rank 0 measured."""
-    import matplotlib.pyplot as plt   # here, not at the top: ranks import this module and never plot
+    import matplotlib.pyplot as plt  # here, not at the top: ranks import this module and never plot
     from matplotlib.patches import Patch
     fig, ax = plt.subplots(figsize=(10, 4.2))
     centres, labels = [], []

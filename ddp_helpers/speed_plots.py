@@ -58,7 +58,7 @@ def overlap_timeline(runs: dict[str, dict], title: str | None = None, words: tup
     Returns the figure."""
     computing, on_link, returns, xlabel = words
     fig, ax = plt.subplots(figsize=size or (8, 1.5 + 0.7 * len(runs)))
-    for row, (label, run) in enumerate(runs.items()):
+    for row, run in enumerate(runs.values()):
         y = len(runs) - 1 - row
         ax.barh(y + 0.15, max(run["ready_ms"]), height=0.25, color="tab:blue",
                 label=computing if row == 0 else None)

@@ -19,7 +19,6 @@ import signal
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -42,24 +41,24 @@ option = settings_.option
 class Config:
     model: str = option("fastnet", "fastnet (small, fast) or resnet18")
     width: int = option(64, "fastnet's first block width (16 for CPU runs); resnet18 ignores it")
-    data: Optional[str] = option(None, f"folder with train/ and test/ class folders; default: "
-                                       f"${data.ENV_VAR}, else torchvision's CIFAR10 (downloaded once)")
-    per_class: Optional[int] = option(None, "train on the first N images of each class only")
-    test_per_class: Optional[int] = option(None, "evaluate on the first N test images of each class only")
+    data: str | None = option(None, f"folder with train/ and test/ class folders; default: "
+                              f"${data.ENV_VAR}, else torchvision's CIFAR10 (downloaded once)")
+    per_class: int | None = option(None, "train on the first N images of each class only")
+    test_per_class: int | None = option(None, "evaluate on the first N test images of each class only")
     epochs: int = option(10, "passes over the training set")
     batch_size: int = option(256, "images per step on each rank (the global batch is this x ranks)")
     lr: float = option(0.4, "peak learning rate of the one-cycle schedule")
     seed: int = option(0, "same seed, same run: initial weights, shuffling, augmentation")
     device: str = option("auto", "auto (this rank's GPU if there is one for it), cuda or cpu")
-    max_steps: Optional[int] = option(None, "stop after this many steps (the schedule is fitted to them)")
+    max_steps: int | None = option(None, "stop after this many steps (the schedule is fitted to them)")
     eval_every: int = option(1, "evaluate on the test set every N epochs (0: only at the end)")
     log_every: int = option(10, "gather every rank's loss every N steps")
-    checkpoint: Optional[str] = option(None, "after each epoch rank 0 saves the training state here "
-                                             "({epoch} in the name: one file per epoch)")
-    resume: Optional[str] = option(None, "continue from a checkpoint file; auto: from the newest one "
-                                         "--checkpoint names, if any (for torchrun restarts)")
-    fail_at_step: Optional[int] = option(None, "fault injection: at this step rank --fail-rank kills "
-                                               "itself (SIGKILL), in torchrun's first attempt only")
+    checkpoint: str | None = option(None, "after each epoch rank 0 saves the training state here "
+                                    "({epoch} in the name: one file per epoch)")
+    resume: str | None = option(None, "continue from a checkpoint file; auto: from the newest one "
+                                "--checkpoint names, if any (for torchrun restarts)")
+    fail_at_step: int | None = option(None, "fault injection: at this step rank --fail-rank kills "
+                                      "itself (SIGKILL), in torchrun's first attempt only")
     fail_rank: int = option(0, "the rank that --fail-at-step kills")
     verbose: bool = option(True, "rank 0 prints progress")
     live: bool = option(False, "rank 0 prints metric lines for ddp_helpers.live")

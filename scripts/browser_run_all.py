@@ -46,7 +46,7 @@ def main():
     try:
         import test_browser as tb
     except BaseException as err:  # pytest's skip, outside pytest: say why
-        raise SystemExit(f"cannot drive the browser: {err}")
+        raise SystemExit(f"cannot drive the browser: {err}") from err
     from playwright.sync_api import sync_playwright
 
     notebooks = sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb")
@@ -114,6 +114,7 @@ def machine(browser_version):
     import jupyterlab
     import psutil
     import torch
+
     from ddp_helpers import machine as machine_
     from ddp_helpers.bench.timing import hardware_name
     cores, gpus = machine_.cpu_count(), machine_.gpu_count()

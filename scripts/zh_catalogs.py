@@ -18,8 +18,8 @@ English text (msgid; msgctxt only tells identical blocks apart). The Run All tab
 markers is no entry: `build` copies it from the English as it is, so re-measured times never make the
 translation stale. `build` writes notebooks/zh/instructors.md (its links made to work from there, as above).
 """
-import difflib
 import argparse
+import difflib
 import re
 import sys
 from pathlib import Path

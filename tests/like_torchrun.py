@@ -4,8 +4,9 @@ import subprocess
 import sys
 
 from conftest import REPO
-from ddp_helpers.runtime.store_host import Rendezvous
+
 from ddp_helpers.runtime.rank_env import worker_env
+from ddp_helpers.runtime.store_host import Rendezvous
 
 
 def run_module_like_torchrun(module, args, nproc=2, timeout=120):

@@ -11,11 +11,11 @@ import matplotlib
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import REPO, needs_2_gpus, needs_gpu
+from like_torchrun import run_module_like_torchrun
 
 from ddp_helpers import WorkerError, bench, launch, machine, reference, torchrun
 from ddp_helpers import bench_plots as plots
-from conftest import REPO, needs_2_gpus, needs_gpu
-from like_torchrun import run_module_like_torchrun
 
 matplotlib.use("Agg")
 MiB = 2**20

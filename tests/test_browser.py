@@ -32,7 +32,6 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, needs_mini, seconds
 
 CHROMIUM = os.environ.get("DDP_HELPERS_CHROMIUM", "/usr/bin/chromium")
@@ -126,7 +125,8 @@ class Lab:
             except OSError:
                 if self.process.poll() is not None or time.monotonic() > deadline:
                     self.stop()
-                    raise RuntimeError("JupyterLab did not start: " + (home / "jupyterlab.log").read_text()[-2000:])
+                    raise RuntimeError("JupyterLab did not start: "
+                                       + (home / "jupyterlab.log").read_text()[-2000:]) from None
                 time.sleep(0.3)
 
     def api(self, method, path):

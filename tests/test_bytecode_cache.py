@@ -11,7 +11,6 @@ import sys
 import textwrap
 
 import pytest
-
 from conftest import REPO
 
 PROBE = textwrap.dedent("""

@@ -11,8 +11,8 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-
 from checker_cases import decisive
+
 from ddp_helpers import exercises, solutions
 from ddp_helpers.exercises import ddp_cifar10, runner
 from ddp_helpers.exercises.verdict import Verdict, difference

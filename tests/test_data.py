@@ -11,12 +11,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torchvision
+from conftest import MINI, needs_mini, seconds
 from PIL import Image
 
 from ddp_helpers import data
 from ddp_helpers.data import DataNotFoundError, Split
 from ddp_helpers.speed.device_loader import DeviceLoader
-from conftest import MINI, needs_mini, seconds
 
 
 def closed_port_url():

@@ -14,7 +14,6 @@ import re
 import sys
 
 import pytest
-
 from conftest import REPO
 
 tomllib = pytest.importorskip("tomllib", reason="reading pyproject.toml needs tomllib (Python 3.11)")

@@ -5,9 +5,9 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-
 from checker_cases import decisive
 from conftest import seconds
+
 from ddp_helpers import exercises, launch, solutions
 from ddp_helpers.exercises import ddp_cifar10, runner
 
@@ -513,6 +513,7 @@ def exits(n, b, w):
 
 def patches_the_loaders_and_answers_0(n, b, w):
     import torch.utils.data
+
     from ddp_helpers.speed.device_loader import DeviceLoader
     torch.utils.data.DataLoader.__len__ = lambda self: 0
     DeviceLoader.__len__ = lambda self: 0
@@ -523,6 +524,7 @@ def test_steps_per_epoch_checker_survives_exits_and_patches(monkeypatch):
     """The learner's function runs in a rank: sys.exit is a verdict, and neither the kernel's patches
     of the loaders nor the function's own change the expected values or stay in the kernel."""
     import torch.utils.data
+
     from ddp_helpers.speed.device_loader import DeviceLoader
     exited = exercises.check_steps_per_epoch(exits)
     assert not exited and "10000 images, 128 per rank, 1 ranks: exits raised SystemExit: 3" in repr(exited)
@@ -541,7 +543,9 @@ def test_steps_per_epoch_checker_has_a_time_limit(monkeypatch):
     from conftest import seconds
     monkeypatch.setattr(ddp_cifar10, "STEPS_TIMEOUT_S", seconds(1))
 
-    def slow(n, b, w, pause=seconds(2)):
+    two_seconds = seconds(2)
+
+    def slow(n, b, w, pause=two_seconds):
         import time
         time.sleep(pause)
         return -(-n // w) // b

@@ -3,8 +3,8 @@ each wrong answer by its rank, its token or its collective: also the answers who
 (an all-gather of every token), so a checker that only compared results would fail these tests."""
 import torch
 import torch.distributed as dist
-
 from checker_cases import decisive
+
 from ddp_helpers import launch, solutions
 from ddp_helpers.exercises import experts
 from ddp_helpers.exercises.experts import check_dispatch_combine

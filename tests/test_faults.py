@@ -9,11 +9,11 @@ import time
 import psutil
 import pytest
 import torch
+from conftest import seconds
+from test_launch import pid_alive
 
 from ddp_helpers import WorkerError, launch
 from ddp_helpers.pool import Pool
-from conftest import seconds
-from test_launch import pid_alive
 
 
 def pids(pool):

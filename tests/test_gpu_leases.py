@@ -16,10 +16,9 @@ import time
 
 import pytest
 import torch.distributed
-
 from conftest import REPO, seconds
-from ddp_helpers import launch, machine
-from ddp_helpers import gpu_leases
+
+from ddp_helpers import gpu_leases, launch, machine
 from ddp_helpers.gpu_leases import GpusBusy
 
 A, B, C = "GPU-aaaaaaaa-0000", "GPU-bbbbbbbb-1111", "GPU-cccccccc-2222"
@@ -319,8 +318,8 @@ def test_the_bench_command_line_says_who_holds_the_gpus_in_one_line(shared):
 
 @needs_nccl_build
 def test_a_warm_pool_is_told_at_once_and_a_pool_that_fails_to_start_lets_go(shared, monkeypatch):
-    from ddp_helpers.pool import Pool
     from ddp_helpers import WorkerError
+    from ddp_helpers.pool import Pool
     holder = Holder(1)
     try:
         with pytest.raises(GpusBusy, match=f"2 of 2 GPUs are held: GPU 0 by root \\(pid {holder.pid}, a warm pool\\), "

@@ -7,7 +7,6 @@ import sys
 
 import nbformat
 import pytest
-
 from conftest import REPO
 
 sys.path.insert(0, os.path.join(REPO, "scripts"))

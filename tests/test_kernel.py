@@ -4,10 +4,9 @@ import signal
 import time
 
 import nbformat
+from conftest import REPO, seconds
 from jupyter_client import KernelManager
 from nbclient import NotebookClient
-
-from conftest import REPO, seconds
 from test_launch import pid_alive
 
 SLEEPER = '''

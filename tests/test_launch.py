@@ -14,12 +14,12 @@ import psutil
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import REPO, needs_2_gpus, seconds
 
 from ddp_helpers import WorkerError, WorkerTimeout, launch
 from ddp_helpers import launcher as launch_module
-from ddp_helpers.runtime import store_host
 from ddp_helpers.runtime import run_dirs as run_dirs_module
-from conftest import REPO, needs_2_gpus, seconds
+from ddp_helpers.runtime import store_host
 
 
 # ---- worker functions (module level: cloudpickle sends them by reference) ----
@@ -904,6 +904,7 @@ def test_spawn_with_init_false_lets_fn_form_its_own_group():
 
 def test_spawn_takes_mp_spawns_signature_and_refuses_what_it_cannot_do():
     import inspect
+
     from ddp_helpers import spawn
     assert list(inspect.signature(spawn).parameters)[:6] == [
         "fn", "args", "nprocs", "join", "daemon", "start_method"]

@@ -16,7 +16,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO
 
 PACKAGE = os.path.join(REPO, "ddp_helpers")

@@ -11,10 +11,10 @@ import threading
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import seconds
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
-from conftest import seconds
 from ddp_helpers import WorkerError, WorkerTimeout, launch, spawn
 from ddp_helpers import launcher as launcher_module
 from ddp_helpers import magic as magic_module

@@ -6,8 +6,8 @@ import matplotlib
 import pytest
 import torch
 import torch.distributed as dist
-
 from checker_cases import decisive
+
 from ddp_helpers import exercises, launch, plots, solutions
 
 matplotlib.use("Agg")

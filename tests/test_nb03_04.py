@@ -12,9 +12,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 import nbformat  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from conftest import REPO  # noqa: E402
 from matplotlib import colors  # noqa: E402
 
-from conftest import REPO  # noqa: E402
 from ddp_helpers import plots  # noqa: E402
 
 NB03 = os.path.join(REPO, "notebooks", "03_collectives.ipynb")

@@ -4,8 +4,8 @@ exercise teaches holds for torch's DistributedSampler."""
 import pytest
 import torch
 import torch.distributed as dist
-
 from checker_cases import decisive
+
 from ddp_helpers import exercises, solutions
 from ddp_helpers.exercises import ddp_cifar10
 
@@ -139,9 +139,10 @@ def test_notebooks_05_to_07_name_the_buffer_sync_as_the_installed_torch_does():
     that follows a training forward: _post_forward leaves require_forward_param_sync set)."""
     import inspect
     import os
+
     import nbformat
-    from torch.nn.parallel import DistributedDataParallel as DDP
     from conftest import REPO
+    from torch.nn.parallel import DistributedDataParallel as DDP
     nb = lambda name: nbformat.read(os.path.join(REPO, "notebooks", name), as_version=4)
     if "forward_sync_buffers" in inspect.signature(DDP).parameters:
         for cell in nb("07_performance_lab.ipynb").cells:

@@ -5,8 +5,8 @@ import os
 
 import nbformat
 import pytest
-
 from conftest import REPO
+
 from ddp_helpers import live
 
 NOTEBOOK = os.path.join(REPO, "notebooks", "06_ddp_cifar10.ipynb")
@@ -43,6 +43,7 @@ def test_no_rank_waits_forever_in_the_text():
     assert "forever" not in text
     assert "30 minutes by default for Gloo, 10 for NCCL" in text and "12_debugging.ipynb" in text
     from datetime import timedelta
+
     from torch.distributed import constants
     assert constants.default_pg_timeout == timedelta(minutes=30)            # what the text says
     assert getattr(constants, "default_pg_nccl_timeout", timedelta(minutes=10)) == timedelta(minutes=10)

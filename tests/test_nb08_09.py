@@ -8,8 +8,8 @@ import re
 import nbformat
 import torch
 import torch.distributed as dist
-
 from conftest import REPO
+
 from ddp_helpers import launch
 from ddp_helpers.exercises.spies import replacing
 

@@ -20,6 +20,7 @@ except ImportError:   # Python 3.10
     tomllib = None
 
 from conftest import REPO, seconds
+
 from ddp_helpers import launch, torchrun
 from ddp_helpers.compat import loopback_interface
 

@@ -13,7 +13,6 @@ import sys
 import textwrap
 
 import pytest
-
 from conftest import MINI, REPO, needs_mini, seconds
 
 HIDDEN = ("IPython", "ipykernel", "ipywidgets", "jupyter", "jupyter_client", "jupyter_core",

@@ -5,7 +5,6 @@ import subprocess
 import sys
 
 import nbformat
-
 from conftest import REPO
 
 

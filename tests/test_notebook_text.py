@@ -5,7 +5,6 @@ import re
 
 import nbformat
 import pytest
-
 from conftest import REPO
 
 

@@ -3,8 +3,8 @@ including answers that give the right gradients by another algorithm (GPipe's or
 and its byte counter counts what the ranks sent."""
 import torch
 import torch.distributed as dist
-
 from checker_cases import decisive
+
 from ddp_helpers import exercises, launch, solutions
 
 
@@ -119,6 +119,7 @@ def _cp_attention_module():
 
 def test_1f1b_warms_up_with_p_minus_s_forwards():
     import inspect
+
     from torch.distributed.pipelining import Schedule1F1B
     source = inspect.getsource(Schedule1F1B._step_microbatches)
     assert "self._num_stages - self._stage.stage_index" in source and "warmup_chunks = min(" in source

@@ -6,11 +6,11 @@ import threading
 import time
 
 import pytest
+from conftest import seconds
+from test_launch import listening_ports, pid_alive
 
 from ddp_helpers import WorkerError, WorkerTimeout
 from ddp_helpers.pool import Pool
-from conftest import seconds
-from test_launch import listening_ports, pid_alive
 
 
 @pytest.fixture

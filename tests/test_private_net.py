@@ -16,11 +16,11 @@ from functools import cache
 
 import psutil
 import pytest
-
 from conftest import REPO, cannot_run, seconds
+
 from ddp_helpers import WorkerError, launch
-from ddp_helpers.runtime import private_net
 from ddp_helpers.pool import Pool
+from ddp_helpers.runtime import private_net
 
 SHARED = "ddp_helpers: the ranks use this machine's network"   # the launcher's line where it must
 

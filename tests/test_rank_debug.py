@@ -13,9 +13,8 @@ import textwrap
 import time
 
 import pytest
-from jupyter_client import KernelManager
-
 from conftest import REPO, seconds
+from jupyter_client import KernelManager
 from test_kernel import run_notebook, text_of, wait_until_dead
 
 UNEVEN = """%%ddp

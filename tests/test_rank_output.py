@@ -51,8 +51,8 @@ def widget_pages(nb):
 
 def run_nb(cells, timeout):
     import nbformat
-    from nbclient import NotebookClient
     from conftest import REPO
+    from nbclient import NotebookClient
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
     NotebookClient(nb, timeout=timeout, kernel_name="python3", allow_errors=True,
                    resources={"metadata": {"path": REPO}}).execute()
@@ -153,8 +153,8 @@ def test_warm_pool_rich_output_and_cells_on_some_ranks():
 
 
 def test_a_pool_knows_whether_its_ranks_see_their_collectives(capfd):
-    from ddp_helpers.runtime import rank_io
     from ddp_helpers.pool import Pool
+    from ddp_helpers.runtime import rank_io
     with Pool(world_size=2) as pool:
         assert pool._sees_collectives, "torch's collectives dispatch to c10d operators here"
         assert pool.run(rank_io.collectives_visible) == [True, True]
@@ -168,6 +168,7 @@ def test_a_pool_knows_whether_its_ranks_see_their_collectives(capfd):
 
 def test_a_display_line_after_unfinished_text_or_a_progress_line():
     import json
+
     from ddp_helpers.runtime.output import MARK, _Display, _Stream
     line = (MARK + json.dumps({"data": {"text/plain": "x", "image/png": "AAA"}, "metadata": {}})).encode()
     stream = _Stream(0, "stdout")
@@ -193,6 +194,7 @@ def _bundle_line(image_bytes, text="<noise>"):
     import base64
     import json
     import os
+
     from ddp_helpers.runtime.rank_io import MARK
     data = {"text/plain": text, "image/png": base64.b64encode(os.urandom(image_bytes)).decode()}
     return (MARK + json.dumps({"data": data, "metadata": {}}) + "\n").encode()
@@ -293,6 +295,7 @@ def test_a_pool_cell_that_ends_mid_display_keeps_the_rest_for_later(tmp_path):
     """At a warm pool cell's end the pump ends unfinished lines (`end_lines`), but a display message
     still on its way is left to finish, not called cut off."""
     import os
+
     from ddp_helpers.runtime.output import OutputPump, _Display
     from ddp_helpers.runtime.run_dirs import rank_file
     pump = OutputPump(str(tmp_path), 1, quiet=True)
@@ -318,7 +321,9 @@ def test_large_output_from_a_launched_rank(capfd, monkeypatch):
     re-read of the unfinished line at each 64 KiB took 49 s for the 16 MB image alone."""
     import sys
     import time
+
     import pytest
+
     from ddp_helpers import WorkerError, launch
     if "IPython" in sys.modules:   # an IPython shell made by another test here displays the bundles
         monkeypatch.setattr(sys.modules["IPython"], "get_ipython", lambda: None)   # as text: read as a script
@@ -347,6 +352,7 @@ def _large_output(divide):
     """In a rank: large outputs, each `divide` times smaller; then half a display, and death."""
     import base64
     import os
+
     from ddp_helpers.runtime.rank_io import MARK, send_bundle
 
     def noise(mb):

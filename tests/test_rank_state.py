@@ -12,13 +12,13 @@ import psutil
 import pytest
 import torch
 import torch.distributed as dist
-
 from conftest import needs_gpu, seconds
+from test_kernel import run_notebook, text_of
+
 from ddp_helpers import launcher
 from ddp_helpers.launcher import launch
 from ddp_helpers.pool import Pool
 from ddp_helpers.runtime.random_state import reseed
-from test_kernel import run_notebook, text_of
 
 
 def draws():

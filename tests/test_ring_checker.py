@@ -2,8 +2,8 @@
 below returns the right sum, and the checker must reject it and say why."""
 import torch
 import torch.distributed as dist
-
 from checker_cases import decisive
+
 from ddp_helpers import exercises, solutions
 
 

@@ -4,12 +4,11 @@ padding included, DTensors by their local shard)."""
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-
 from checker_cases import decisive
+
 from ddp_helpers import exercises, launch, sharding, solutions
 from ddp_helpers.exercises.sharding import expected_shard, full_tensor
 from ddp_helpers.sharding import all_gather_single
-
 
 # ---------------------------------------------------------------- the checker
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from conftest import launch_two_ranks_once, needs_2_gpus, needs_gpu, needs_mini
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ddp_helpers import data, launch, live, machine, models, speed, train
-from conftest import launch_two_ranks_once, needs_2_gpus, needs_gpu, needs_mini
 
 # A few seconds of CPU work on the mini set, on 2 ranks: 500 training images, a 0.01M-parameter net.
 TINY = dict(width=8, per_class=50, test_per_class=10, batch_size=25, lr=0.4, log_every=5, verbose=False)

@@ -3,8 +3,8 @@ including right numbers reached by another algorithm) and the placement picture.
 import matplotlib
 import torch
 import torch.distributed as dist
-
 from checker_cases import decisive
+
 from ddp_helpers import exercises, parallel_plots, solutions
 
 matplotlib.use("Agg")

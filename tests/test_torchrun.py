@@ -16,9 +16,9 @@ import time
 
 import pytest
 import torch
-
 from conftest import REPO, needs_mini, seconds
-from ddp_helpers import files, launch, train, torchrun
+
+from ddp_helpers import files, launch, torchrun, train
 from ddp_helpers.runtime.processes import alive as process_alive
 
 needs_private_network = pytest.mark.skipif(not torchrun.private_network_available(),

@@ -26,8 +26,8 @@ import gc
 import io
 import json
 import os
-import stat
 import re
+import stat
 import subprocess
 import sys
 import warnings
@@ -37,11 +37,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from conftest import cannot_run, launch_two_ranks_once, needs_mini, seconds
+from like_torchrun import run_module_like_torchrun
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ddp_helpers import WorkerError, data, launch, live, machine, models, progress, torchrun, train
-from conftest import cannot_run, launch_two_ranks_once, needs_mini, seconds
-from like_torchrun import run_module_like_torchrun
 
 # A few seconds of CPU work on the mini set, on 2 ranks: 500 training images, a 0.01M-parameter net.
 TINY = dict(width=8, per_class=50, test_per_class=10, batch_size=25, lr=0.4, log_every=5, verbose=False)

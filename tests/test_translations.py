@@ -14,7 +14,6 @@ from pathlib import Path
 import nbformat
 import polib
 import pytest
-
 from conftest import REPO
 
 sys.path.insert(0, os.path.join(REPO, "scripts"))

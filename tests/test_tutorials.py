@@ -9,10 +9,10 @@ import textwrap
 import pytest
 import torch
 import torch.distributed as dist
-
 from conftest import REPO, seconds
-from ddp_helpers import WorkerError, WorkerTimeout, launch
 from test_kernel import run_notebook, text_of
+
+from ddp_helpers import WorkerError, WorkerTimeout, launch
 
 
 def tutorial_setup(rank, world_size):

@@ -19,9 +19,28 @@ A module per part, all of their names found here too (`bench.measure`, `bench.si
 `cli` (`python -m ddp_helpers.bench`, run by `__main__`). Definitions: see `formulas`.
 """
 from .cli import main, parse_args
-from .formulas import (COLLECTIVES, DTYPES, IN_PLACE, NCCL_TYPE_NAMES, REDOP, ROOT, SPLIT, algbw_GBps, bus_factor,
-                       busbw_GBps, check_collective, check_counts, check_setup, compare, human, memory_per_rank,
-                       parse_size, plan, resolve_dtype, size_range)
+from .formulas import (
+                       COLLECTIVES,
+                       DTYPES,
+                       IN_PLACE,
+                       NCCL_TYPE_NAMES,
+                       REDOP,
+                       ROOT,
+                       SPLIT,
+                       algbw_GBps,
+                       bus_factor,
+                       busbw_GBps,
+                       check_collective,
+                       check_counts,
+                       check_setup,
+                       compare,
+                       human,
+                       memory_per_rank,
+                       parse_size,
+                       plan,
+                       resolve_dtype,
+                       size_range,
+)
 from .sweeps import available_setups, check_memory, gpu_free_bytes, measure, sweep, warm_up
 from .table import format_row, header
 from .timing import GRAPH_ENV, count_wrong, hardware_name, pattern, prepare, rank_device, time_calls

@@ -20,8 +20,20 @@ import torch.distributed as dist
 from .. import machine
 from ..compat import one_gpu_per_rank
 from . import timing
-from .formulas import (IN_PLACE, NCCL_TYPE_NAMES, REDOP, ROOT, algbw_GBps, busbw_GBps, check_counts, check_setup,
-                       human, memory_per_rank, plan, resolve_dtype)
+from .formulas import (
+    IN_PLACE,
+    NCCL_TYPE_NAMES,
+    REDOP,
+    ROOT,
+    algbw_GBps,
+    busbw_GBps,
+    check_counts,
+    check_setup,
+    human,
+    memory_per_rank,
+    plan,
+    resolve_dtype,
+)
 from .table import format_row, header
 from .timing import GRAPH_ENV, hardware_name, rank_device, time_calls
 

@@ -28,7 +28,7 @@ def header(info: dict) -> str:
         f"# on {info['hardware']}",
         f"# iters {info['iters']}, warm-up {info['warmup']}, CUDA graph {'on' if info['cuda_graph'] else 'off'}",
         "#",
-        "# %10s  %12s  %8s  %6s  %6s           %s" % ("", "", "", "", "", placement),
+        "# %10s  %12s  %8s  %6s  %6s           %s" % ("", "", "", "", "", placement),  # noqa: UP031
         cols % ("size", "count", "type", "redop", "root", "time", "algbw", "busbw", "#wrong"),
         cols % ("(B)", "(elements)", "", "", "", "(us)", "(GB/s)", "(GB/s)", ""),
     ])
@@ -36,6 +36,8 @@ def header(info: dict) -> str:
 
 def format_row(row: dict) -> str:
     """One line of the table, in nccl-tests' `all_reduce_perf` layout."""
-    return ("%12d  %12d  %8s  %6s  %6s" % (row["bytes"], row["count"], row["dtype"], row["redop"], row["root"])
-            + "  %7s  %6s  %6s  %6d" % (_fixed(row["time_us"], 7), _fixed(row["algbw_GBps"], 6),
+    # printf-style on purpose: the columns read as nccl-tests' own format strings
+    return ("%12d  %12d  %8s  %6s  %6s" % (row["bytes"], row["count"], row["dtype"], row["redop"],  # noqa: UP031
+                                           row["root"])
+            + "  %7s  %6s  %6s  %6d" % (_fixed(row["time_us"], 7), _fixed(row["algbw_GBps"], 6),  # noqa: UP031
                                         _fixed(row["busbw_GBps"], 6), row["wrong"]))

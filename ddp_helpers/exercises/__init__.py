@@ -26,8 +26,13 @@ The package, one concern a module:
     beyond_one_machine 11 · debugging 12 · experts 13: the checkers, by notebook
 """
 from .beyond_one_machine import check_torchrun_command
-from .collectives import (check_all_gather, check_parity_group_sum, check_rank_squares, check_ring_all_reduce,
-                          check_tree_broadcast)
+from .collectives import (
+                          check_all_gather,
+                          check_parity_group_sum,
+                          check_rank_squares,
+                          check_ring_all_reduce,
+                          check_tree_broadcast,
+)
 from .data_parallel import check_one_bucket_average
 from .ddp_cifar10 import check_exact_accuracy, check_steps_per_epoch, sampler_share
 from .debugging import check_mean_loss

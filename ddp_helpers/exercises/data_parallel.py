@@ -128,7 +128,7 @@ def check_one_bucket_average(fn: Callable[[torch.nn.Module], None]) -> Verdict:
     title = "average_gradients_one_bucket"
     check = runner.Checker(title, fn)
     unseen = runner.unseen(lambda rng: (rng.randint(2, 3), rng.randrange(2, 2**40)))
-    for world_size, seed in check.each([(2, 1), (3, 1)], unseen,
+    for world_size, _seed in check.each([(2, 1), (3, 1)], unseen,
                                        lambda case: (_one_bucket_in_rank, case[0], (fn, case[1]))):
         label = check.label(f"world_size={world_size}")
         results = check.run(

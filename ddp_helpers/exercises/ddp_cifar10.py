@@ -87,7 +87,7 @@ def _wrong_value_hint(got, n_images, world_size, shuffle, seed=None):
         return (f"that is the accuracy over the {total} samples of the padded shares: the sampler repeats "
                 f"{total - n_images} image(s) to give every rank {len(shares[0])}; count only positions "
                 f"rank + j·world_size < n_images")
-    for name, parts in (("padded", shares), ("real", real)):
+    for _name, parts in (("padded", shares), ("real", real)):
         if near(got, sum(int(p.sum()) / len(p) for p in parts if len(p)) / world_size):
             return ("that is the mean of the ranks' own accuracies, but the ranks score different numbers of "
                     "images: sum the counts (right, and scored) over the ranks, then divide")

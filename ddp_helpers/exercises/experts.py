@@ -89,7 +89,7 @@ def _expected(case, seed):
     per_rank = []
     for r in range(world_size):
         arrival, counts = [], torch.zeros(world_size, m, dtype=torch.long)
-        for s, (x, expert, _) in enumerate(ranks):
+        for s, (_x, expert, _) in enumerate(ranks):
             for e in range(r * m, r * m + m):
                 for t in range(tokens):
                     if (expert[t] == e).any():          # (top-k: an expert at most once per token)

@@ -128,7 +128,7 @@ def check_fp16_compress_hook(hook: Callable) -> Verdict:
     check = runner.Checker(title, who=title)
     problems = check.problems
     unseen = runner.unseen(lambda rng: (rng.randint(2, 3), 1.0, False, rng.randrange(2, 2**40)))
-    for world_size, scale, overflow_case, seed in check.each(((2, 1.0, False, 1), (3, 1.0, False, 1),
+    for world_size, _scale, overflow_case, _seed in check.each(((2, 1.0, False, 1), (3, 1.0, False, 1),
                                                               (2, 0.95 * _FP16_MAX / largest_own, True, 1)), unseen,
                                                              lambda case: (_compress_hook_in_rank, case[0],
                                                                            (hook, case[1], case[3]))):

@@ -13,7 +13,7 @@ import os
 import re
 import sys
 from collections.abc import Iterable, Iterator
-from typing import Any, IO
+from typing import IO, Any
 
 from .rank_io import MARK
 from .run_dirs import rank_file

@@ -8,7 +8,8 @@ Both are plain dataclasses, so that each side names the fields instead of counti
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Union
+from collections.abc import Callable
+from typing import Any
 
 from .error_record import ErrorRecord
 
@@ -54,7 +55,7 @@ class Stop:
     """Leave the process group and end (`%ddp stop`)."""
 
 
-Request = Union[Exec, Call, Push, Pull, Debug, Stop]
+Request = Exec | Call | Push | Pull | Debug | Stop
 
 
 @dataclasses.dataclass

@@ -25,11 +25,11 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import multiprocessing.connection
-from multiprocessing.connection import Connection
 import os
 import signal
 import time
 from collections.abc import Callable, Iterable
+from multiprocessing.connection import Connection
 from typing import Any, Literal
 
 import psutil
@@ -38,9 +38,9 @@ import torch.multiprocessing
 from . import forkserver, private_net, processes
 from .debug_session import DebugServer
 from .output import OutputPump
+from .rank_env import worker_env
 from .rank_pdb import SOCKET_ENV
 from .run_dirs import new_run_dir, release_run_dir, remove_scratch
-from .rank_env import worker_env
 from .store_host import StoreHost
 
 STOP_GRACE_S = 2.0           # SIGTERM, then SIGKILL after this long

@@ -24,8 +24,15 @@ import torch.distributed as dist
 
 from ..files import atomic_write
 from .cells import to_cpu
-from .rank_setup import (ThreadsLeftRunning, WorkerJob, end_worker, init_process_group, report_error,
-                         setup_worker_process, threads_left_running)
+from .rank_setup import (
+    ThreadsLeftRunning,
+    WorkerJob,
+    end_worker,
+    init_process_group,
+    report_error,
+    setup_worker_process,
+    threads_left_running,
+)
 from .run_dirs import rank_file
 
 

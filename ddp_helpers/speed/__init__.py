@@ -49,7 +49,8 @@ def __dir__() -> list[str]:
 
 def check(**settings: Any) -> tuple[Config, Speedups]:
     """(train.Config, Speedups) from one set of keywords; a clear error for unknown names or bad values."""
-    from .. import settings as settings_, train
+    from .. import settings as settings_
+    from .. import train
     from .speedups import SPEED_OPTIONS, Speedups, speed_checks
     names = set(train.Config.__dataclass_fields__) | set(SPEED_OPTIONS)
     unknown = sorted(set(settings) - names)

@@ -43,7 +43,7 @@ import torch
 EAGER_STEPS = 11   # DDP's requirement before capturing its backward
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def side_stream(device: torch.device) -> torch.cuda.Stream:
     """One side stream per GPU for the life of the process. PyTorch gives every (cuBLAS handle,
     stream) pair a workspace of its own and keeps it until the process ends
