@@ -91,23 +91,14 @@ def _nvidia_smi_uuids():
     return tuple(re.findall(r"^GPU \d+:.*\(UUID: (GPU-[0-9a-fA-F-]+)\)", done.stdout, re.MULTILINE))
 
 
-def _cuda_count() -> int:
-    """GPUs CUDA shows this process, without starting CUDA (as `machine.gpu_count`, which stands
-    above this module: `machine.report()` lists the leases)."""
-    import torch
-    try:
-        return torch.cuda.device_count() if torch.backends.cuda.is_built() else 0
-    except Exception:  # a broken driver counts as no GPU
-        return 0
-
-
 def visible_gpus(env: dict | None = None) -> list[tuple[str, str]]:
     """[(key, name)] of the GPUs CUDA would show this process (or ranks with `env`), in CUDA's order:
     `key` names the physical GPU in the lease folder, `name` is what CUDA_VISIBLE_DEVICES calls it."""
     wanted = (env or {}).get("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES"))
     uuids = physical_gpus()
     if not uuids or "MIG-" in (wanted or ""):   # MIG slices: keyed by the names CUDA_VISIBLE_DEVICES gives
-        count = _cuda_count()
+        from . import machine
+        count = machine.gpu_count()
         names = [str(i) for i in range(count)] if wanted is None else wanted.split(",")[:count]
         return [(n.strip() if n.strip().startswith(("GPU-", "MIG-")) else f"index{n.strip()}", n.strip())
                 for n in names]

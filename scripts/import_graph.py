@@ -17,7 +17,7 @@
            graph (each circle one room), counted in rooms;
 - imports back up: a module under runtime/ importing a top-level module that is not a foundation, or
            any arrow inside a circle, or a foundation importing anything but another foundation.
-           Foundations (FOUNDATIONS: machine, gpu_leases, compat, files) are top-level modules below the runtime:
+           Foundations (FOUNDATIONS: machine, compat, files) are top-level modules below the runtime:
            the trainer stands on them too, so they cannot live under runtime/.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = "ddp_helpers"
 # Top-level modules below the runtime: what this machine has, torch's differences, writing a file. The
 # trainer stands on them too, so they cannot live under runtime/; each may import only the others.
-FOUNDATIONS = ("machine", "gpu_leases", "compat", "files")
+FOUNDATIONS = ("machine", "compat", "files")
 
 
 @dataclasses.dataclass(frozen=True)
