@@ -11,13 +11,14 @@ the next fork server on this machine, in any kernel of this user, reads it inste
 Used only where it helps: when torch's own bytecode is missing beside its source and Python may not
 write it there. `DDP_HELPERS_BYTECODE_CACHE` says otherwise: `0` never, `1` always (in the default
 folder), or a folder to use always. A `PYTHONPYCACHEPREFIX` (or `-X pycache_prefix`) of the learner's own
-is left alone. A folder that is not this user's alone (another owner, or group or others may write or
-read it) is not used: bytecode there would run in every rank.
+is left alone. A folder that is a link, another user's, or one that group or others may write is not
+used: bytecode there would run in every rank.
 """
 import importlib.util
 import os
-import stat
 import sys
+
+from . import run_dirs
 
 ENV_VAR = "DDP_HELPERS_BYTECODE_CACHE"
 
@@ -48,16 +49,13 @@ def needed(module: str = "torch") -> bool:
 
 
 def private_folder(path: str) -> str | None:
-    """`path`, made if missing, if it is a folder of this user's that no one else may read or write;
-    else None."""
+    """`path`, made if missing, if it is a folder of this user's that no one else may write (made
+    0700, as the run folders' root: `run_dirs.untrusted_folder`); else None."""
     try:
         os.makedirs(path, mode=0o700, exist_ok=True)
-        info = os.lstat(path)
     except OSError:
         return None
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
-        return None
-    return path
+    return path if run_dirs.untrusted_folder(path, os.getuid()) is None else None
 
 
 def use() -> str | None:

@@ -91,11 +91,11 @@ def run_root() -> str:
         os.mkdir(root, 0o700)
     except FileExistsError:
         pass
-    problem = _untrusted_root(root, uid)
+    problem = untrusted_folder(root, uid)
     if problem is None:
         return root
     fallback = _fallback_roots.get((tmp, uid))
-    if fallback is None or _untrusted_root(fallback, uid) is not None:
+    if fallback is None or untrusted_folder(fallback, uid) is not None:
         fallback = _fallback_root(tmp, uid)
         _fallback_roots[(tmp, uid)] = fallback
         warnings.warn(f"not using {root}: {problem}; run folders go to {fallback} instead", stacklevel=4)
@@ -113,13 +113,14 @@ def _fallback_root(tmp: str, uid: int) -> str:
         names = []
     for name in names:
         path = os.path.join(tmp, name)
-        if _untrusted_root(path, uid) is None:
+        if untrusted_folder(path, uid) is None:
             return path
     return tempfile.mkdtemp(prefix=prefix, dir=tmp)
 
 
-def _untrusted_root(path: str, uid: int) -> str | None:
-    """Why `path` cannot hold run folders, or None when it can (then it is made mode 0700)."""
+def untrusted_folder(path: str, uid: int) -> str | None:
+    """Why `path` cannot hold this user's private files (run folders, the fork server's bytecode), or
+    None when it can (then it is made mode 0700)."""
     try:
         st = os.lstat(path)
     except OSError as exc:
