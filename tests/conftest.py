@@ -50,12 +50,13 @@ needs_2_gpus = pytest.mark.skipif(machine.gpu_count() < 2 or not dist.is_nccl_av
                                   reason="needs 2 CUDA GPUs and NCCL")
 
 
-def cannot_run(reason):
+def cannot_run(reason, whole_module=False):
     """A test this machine cannot run: skipped, with the reason. In CI (CI=true), which must run it (a
-    security property that goes untested must not pass for tested), a failure with the reason instead."""
+    security property or the browser tests going untested must not pass for tested), a failure with the
+    reason instead. whole_module: called at a test module's top, for all its tests."""
     if os.environ.get("CI") == "true":
         pytest.fail(f"{reason}; CI must run it", pytrace=False)
-    pytest.skip(reason)
+    pytest.skip(reason, allow_module_level=whole_module)
 
 
 def seconds(s):

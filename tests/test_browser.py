@@ -32,26 +32,19 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import REPO, needs_mini, seconds
+from conftest import REPO, cannot_run, needs_mini, seconds
 
 CHROMIUM = os.environ.get("DDP_HELPERS_CHROMIUM", "/usr/bin/chromium")
-
-
-def _cannot_run(reason):
-    """Skip, with the reason; in CI (CI=true), where .ci/run installs both, fail instead."""
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"{reason}; CI must run them (.ci/run installs both)", pytrace=False)
-    pytest.skip(reason, allow_module_level=True)
 
 
 try:
     from playwright.sync_api import sync_playwright
 except ImportError:
-    _cannot_run("browser tests: the playwright package is missing (pip install -r requirements.txt; "
-                "the browser is Debian's chromium, never `playwright install`)")
+    cannot_run("browser tests: the playwright package is missing (pip install -r requirements.txt; "
+               "the browser is Debian's chromium, never `playwright install`)", whole_module=True)
 if not os.path.exists(CHROMIUM):
-    _cannot_run(f"browser tests: no Chromium at {CHROMIUM} (Debian: apt-get install chromium "
-                f"fonts-noto-color-emoji; or set DDP_HELPERS_CHROMIUM)")
+    cannot_run(f"browser tests: no Chromium at {CHROMIUM} (Debian: apt-get install chromium "
+               f"fonts-noto-color-emoji; or set DDP_HELPERS_CHROMIUM)", whole_module=True)
 
 import psutil  # noqa: E402  (JupyterLab's dependency; after the skips)
 
