@@ -57,7 +57,7 @@ FALLBACKS = 8
 RACE_TRIES = 5            # a lost race (two takers published at once) is tried again this often
 POLL_S = 0.5              # while waiting for a GPU
 
-_held = []   # this process's leases: what machine.report() shows
+_held = []   # this process's leases: what show() prints
 
 
 class GpusBusy(RuntimeError):
@@ -336,6 +336,13 @@ def report() -> list[str]:
         state = f"taken by {describe_holder(others[0])}" if others else "free"
         lines.append(f"  GPU {index} ({name}): {state}")
     return lines
+
+
+def show() -> None:
+    """Print what this machine has and its GPU leases: the GPUs this process (a kernel: its launches
+    and warm pool) holds, those other learners' runs hold, and those free."""
+    from . import machine
+    print("\n".join([machine.summary_line(), *report()]))
 
 
 class NoLease:

@@ -98,9 +98,3 @@ def summary_line():
     return (f"This machine: {cpu_count()} CPU cores, {gpu_text}; torch {torch.__version__}, "
             f"Python {platform.python_version()} ({sys.platform})")
 
-
-def report():
-    """Print what this machine has and its GPU leases: the GPUs this process (a kernel: its launches
-    and warm pool) holds, those other learners' runs hold, and those free (`gpu_leases`)."""
-    from . import gpu_leases
-    print("\n".join([summary_line(), *gpu_leases.report()]))

@@ -18,7 +18,7 @@ import pytest
 import torch.distributed
 from conftest import REPO, seconds
 
-from ddp_helpers import gpu_leases, launch, machine
+from ddp_helpers import gpu_leases, launch
 from ddp_helpers.gpu_leases import GpusBusy
 
 A, B, C = "GPU-aaaaaaaa-0000", "GPU-bbbbbbbb-1111", "GPU-cccccccc-2222"
@@ -256,11 +256,11 @@ def test_report_shows_what_this_process_holds_and_who_holds_the_rest(shared, cap
     holder = Holder(1)
     try:
         with gpu_leases.take(1, what="a launch"):
-            machine.report()
+            gpu_leases.show()
             out = capsys.readouterr().out
             assert f"GPU 0 ({A}): taken by root (pid {holder.pid}, a warm pool)" in out, out
             assert f"GPU 1 ({B}): held by this process (a launch)" in out, out
-        machine.report()
+        gpu_leases.show()
         assert f"GPU 1 ({B}): free" in capsys.readouterr().out
     finally:
         holder.end()

@@ -129,9 +129,7 @@ def test_the_imports_have_no_circle_and_none_goes_back_up():
     assert drawing.circles == [], graph.report(drawing)
     assert drawing.closing == [], graph.report(drawing)   # nor one that a function-level import would close
     assert drawing.back_up == [], graph.report(drawing)
-    # One import at call time stays: machine.report() (notebooks call it) prints the GPU leases too.
-    later = sorted((a.source, a.target) for a in drawing.back_up_later)
-    assert later in ([], [("ddp_helpers.machine", "ddp_helpers.gpu_leases")]), graph.report(drawing)
+    assert drawing.back_up_later == [], graph.report(drawing)   # nor one made at call time
 
 
 def test_the_trainer_imports_nothing_from_the_launch_machinery():
