@@ -134,15 +134,38 @@ def test_perf_lab_1gpu_quick_records_every_setting_and_each_failure(quick_runs):
     assert "cuda_graph" not in resnet
 
 
-@pytest.mark.parametrize("setting, message", [("epochs=zero", "epochs takes int values"),
-                                              ("whiten=ture", "whiten is true or false"),
-                                              ("nosuch=1", "unknown setting 'nosuch'")])
-def test_a_bad_fast_setting_stops_before_anything_runs(tmp_path, setting, message):
+BAD_SETTINGS = [("epochs=zero", "epochs takes int values"), ("whiten=ture", "whiten is true or false"),
+                ("nosuch=1", "unknown setting 'nosuch'")]
+# Each bad setting as `python benchmarks/ddp_cifar_gpu.py --quick --out <folder> --fast-set <setting>` would
+# run it, in one Python process (one torch import): its exit status, what it printed, how long it took.
+RUN_BAD = """
+import contextlib, io, json, runpy, sys, time
+script, out = sys.argv[1:3]
+results = []
+for setting in sys.argv[3:]:
+    sys.argv = [script, "--quick", "--out", out, "--fast-set", setting]
+    stdout, stderr, status, start = io.StringIO(), io.StringIO(), 0, time.perf_counter()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as exc:
+            status = exc.code
+    results.append({"status": status, "stdout": stdout.getvalue(), "stderr": stderr.getvalue(),
+                    "seconds": time.perf_counter() - start})
+print(json.dumps(results))
+"""
+
+
+def test_a_bad_fast_setting_stops_before_anything_runs(tmp_path):
     start = time.perf_counter()
-    done = benchmark("ddp_cifar_gpu.py", "--quick", "--out", str(tmp_path / "out"), "--fast-set", setting,
-                     timeout=seconds(60))
+    done = subprocess.run([sys.executable, "-c", RUN_BAD, os.path.join("benchmarks", "ddp_cifar_gpu.py"),
+                           str(tmp_path / "out"), *[setting for setting, _ in BAD_SETTINGS]],
+                          cwd=REPO, capture_output=True, text=True, timeout=seconds(60))
+    assert done.returncode == 0, done.stderr[-3000:]
     assert time.perf_counter() - start < seconds(20)  # importing torch, nothing more
-    assert done.returncode == 2 and done.stdout == ""  # the script's first print comes after the checks
-    errors = [line for line in done.stderr.splitlines() if "error" in line.lower()]
-    assert len(errors) == 1 and message in errors[0] and "Traceback" not in done.stderr, done.stderr
+    for (setting, message), ran in zip(BAD_SETTINGS, json.loads(done.stdout), strict=True):
+        assert ran["status"] == 2 and ran["stdout"] == "", (setting, ran)  # the first print comes after the checks
+        errors = [line for line in ran["stderr"].splitlines() if "error" in line.lower()]
+        assert len(errors) == 1 and message in errors[0] and "Traceback" not in ran["stderr"], (setting, ran)
+        assert ran["seconds"] < seconds(5), (setting, ran)   # the checks only: torch came with the first
     assert not (tmp_path / "out").exists()
