@@ -447,7 +447,9 @@ def test_gpu_reference_parses_nccl_tests_and_compares():
 def test_cli_never_puts_two_nccl_ranks_on_one_gpu(monkeypatch, capsys, gpus, expected):
     # Seen on a 1-GPU machine: the CLI picked NCCL for 2 ranks because there was a GPU, and hung.
     monkeypatch.setattr(machine, "gpu_count", lambda: gpus)
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+    # the GPUs launch would lease: faked too, so a machine's own nvidia-smi does not answer instead
+    monkeypatch.setenv("DDP_HELPERS_FAKE_GPUS", ",".join(f"GPU-fake{i}" for i in range(gpus)))
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "CUDA_VISIBLE_DEVICES"):
         monkeypatch.delenv(name, raising=False)
     args = bench.parse_args(["--nproc", "2"])
     assert (args.device, args.backend) == expected

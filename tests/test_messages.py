@@ -167,11 +167,13 @@ PASTED_SCRIPT = textwrap.dedent('''
         rank = int(os.environ["LOCAL_RANK"])
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
-        if fully_shard is not None:
+        if fully_shard is not None:   # on the CPU: a GPU machine's cuda mesh would want a GPU per rank
+            from torch.distributed.device_mesh import init_device_mesh
+            mesh = init_device_mesh("cpu", (dist.get_world_size(),))
             for layer in model:
                 if isinstance(layer, nn.Linear):
-                    fully_shard(layer)
-            fully_shard(model)
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
         else:
             model = nn.parallel.DistributedDataParallel(model)
         opt = torch.optim.SGD(model.parameters(), lr=args.lr)

@@ -15,7 +15,8 @@ def run_notebook_tests(tmp_path, data_folder):
     nb.cells = [nbformat.v4.new_code_cell("x = 1"), needs_data, nbformat.v4.new_code_cell("assert x == 1")]
     nbformat.write(nb, str(tmp_path / "lesson.ipynb"))
     env = dict(os.environ, DDP_HELPERS_CIFAR10=str(data_folder), XDG_CACHE_HOME=str(tmp_path / "cache"),
-               PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.abspath(__file__)), REPO]))
+               PYTHONPATH=os.pathsep.join(filter(None, [os.path.dirname(os.path.abspath(__file__)), REPO,
+                                                          os.environ.get("PYTHONPATH")])))
     return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
                            "-p", "pytest_notebooks", "--nbval", "--nbval-current-env", "-rs", "-q",
                            "lesson.ipynb"],

@@ -196,7 +196,8 @@ def test_where_they_cannot_run_they_fail_in_ci_and_skip_elsewhere():
     # other-user test failed on its assert, not on the reason. DDP_HELPERS_PRIVATE_NET=0: this
     # process's ranks get no network of their own, as on a machine that refuses namespaces.
     env = {k: v for k, v in os.environ.items() if k not in ("CI", "PYTEST_XDIST_WORKER")}
-    env.update({private_net.SWITCH: "0", "PYTHONPATH": REPO})
+    env.update({private_net.SWITCH: "0",   # the repository first, then the path the suite had (its packages)
+                "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))})
     ci = run_these_tests({**env, "CI": "true"})
     assert ci.returncode == 1 and "3 failed" in ci.stdout, ci.stdout[-3000:]
     reason = f"the ranks get no network of their own here ({private_net.SWITCH}=0 is set)"
