@@ -1,7 +1,7 @@
 """Where the first epoch of notebook 06's GPU cell spends its time, in a fresh process.
 
     python benchmarks/first_epoch_gpu.py                       # the cell's settings, as the trainer runs
-    python benchmarks/first_epoch_gpu.py --cudnn-benchmark 0   # cuDNN's heuristics instead of its search
+    python benchmarks/first_epoch_gpu.py --cudnn-benchmark 1   # cuDNN's search, as the speed layer has it
     python benchmarks/first_epoch_gpu.py --workers 0           # batches made in the rank itself
 
 One rank on one GPU (`launch`, NCCL), the cell's settings (fastnet, width 64, batches of 512, the
@@ -84,7 +84,7 @@ def probe(cudnn_benchmark, workers, per_class=None):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cudnn-benchmark", type=int, default=1, choices=(0, 1))
+    parser.add_argument("--cudnn-benchmark", type=int, default=0, choices=(0, 1))
     parser.add_argument("--workers", type=int, default=None, help="DataLoader workers (default: the trainer's)")
     parser.add_argument("--backend", default="nccl", choices=("nccl", "gloo"))
     parser.add_argument("--per-class", type=int, default=None, help="training images of each class (default: all)")

@@ -244,7 +244,6 @@ def run(recipe: Plain | None = None, **settings) -> dict:
     recipe = recipe or Plain()
     device, made_group = setup(cfg)
     try:
-        torch.backends.cudnn.benchmark = True  # GPUs: pick the fastest convolution for these shapes
         return train(build(cfg, recipe, device))
     finally:
         recipe.close()

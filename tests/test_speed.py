@@ -186,6 +186,21 @@ def test_channels_last_and_compile_reach_the_model():
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("search", [True, False])
+def test_the_speed_layer_sets_cudnns_search_for_its_run_and_puts_it_back(monkeypatch, search):
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", not search)
+    device, made = train.setup(train.make_config(**SMALL))
+    try:
+        recipe = speed.Speedups(cudnn_benchmark=search)
+        recipe.wrap(models.FastNet(8), device)
+        assert torch.backends.cudnn.benchmark is search
+        recipe.close()
+        assert torch.backends.cudnn.benchmark is (not search)
+    finally:
+        dist.destroy_process_group()
+    assert speed.Speedups().cudnn_benchmark is True   # the recipes' long runs keep the search
+
+
 # ------------------------------------------------------- the optimizer
 @pytest.mark.parametrize("norm_bias_lr", [1, 64])
 def test_frozen_batchnorm_scales_are_left_out_of_the_optimizer(norm_bias_lr):

@@ -70,6 +70,8 @@ class Speedups(train.Plain):
     comm_hook: str = option("none", "DDP: none, or bf16 (gradients travel as bfloat16: half the bytes)")
     cuda_graph: bool = option(False, "GPU: record a step's forward and backward once as a CUDA graph and "
                                      "replay it (speed.cuda_graph)")
+    cudnn_benchmark: bool = option(True, "GPU: cuDNN times each convolution algorithm at a shape's first step "
+                                         "(seconds, once) and keeps the fastest; pays in long runs")
 
     # ---- the plug-in's methods, called by train.build and the training loop
     def loaders(self, cfg: train.Config, device: torch.device) -> tuple[Iterable, Iterable]:
@@ -100,6 +102,8 @@ class Speedups(train.Plain):
         if self.cuda_graph and device.type != "cuda":
             raise ValueError(f"cuda_graph=True needs this rank on a GPU, but it is on {device} "
                              f"({dist.get_backend()} backend)")
+        self._cudnn_benchmark_was = torch.backends.cudnn.benchmark   # put back by close()
+        torch.backends.cudnn.benchmark = self.cudnn_benchmark
         # CUDA graphs: DDP is built on the stream the graph will be captured on (speed.cuda_graph)
         self._stream = side_stream(device) if self.cuda_graph else None
         if dist.get_world_size() > 1:  # with one process, DDP would only add work
@@ -146,6 +150,8 @@ class Speedups(train.Plain):
         captured = getattr(self, "_captured", None)
         if captured is not None:
             captured.release()
+        if getattr(self, "_cudnn_benchmark_was", None) is not None:
+            torch.backends.cudnn.benchmark = self._cudnn_benchmark_was
         self._captured = self._stream = self._train_images = None
 
 
