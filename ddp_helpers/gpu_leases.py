@@ -49,6 +49,8 @@ import stat
 import subprocess
 import time
 
+from . import machine
+
 FOLDER_VAR = "DDP_HELPERS_GPU_LEASES"
 DEFAULT_FOLDER = "/tmp/ddp_helpers-gpu-leases"
 FAKE_VAR = "DDP_HELPERS_FAKE_GPUS"
@@ -97,7 +99,6 @@ def visible_gpus(env: dict | None = None) -> list[tuple[str, str]]:
     wanted = (env or {}).get("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES"))
     uuids = physical_gpus()
     if not uuids or "MIG-" in (wanted or ""):   # MIG slices: keyed by the names CUDA_VISIBLE_DEVICES gives
-        from . import machine
         count = machine.gpu_count()
         names = [str(i) for i in range(count)] if wanted is None else wanted.split(",")[:count]
         return [(n.strip() if n.strip().startswith(("GPU-", "MIG-")) else f"index{n.strip()}", n.strip())
@@ -341,7 +342,6 @@ def report() -> list[str]:
 def show() -> None:
     """Print what this machine has and its GPU leases: the GPUs this process (a kernel: its launches
     and warm pool) holds, those other learners' runs hold, and those free."""
-    from . import machine
     print("\n".join([machine.summary_line(), *report()]))
 
 

@@ -61,3 +61,18 @@ def test_each_notebook_fits_a_workshop_slot(path):
     minutes = re.search(r"\*\*Time\*\*:?\*?\*? about (\d+) minutes", head)
     assert minutes, "the first cell states **Time**: about N minutes"
     assert int(minutes.group(1)) <= 90
+
+
+ZH_NOTEBOOKS = sorted(glob.glob(os.path.join(REPO, "notebooks", "zh", "[0-9][0-9]_*.ipynb")))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS + ZH_NOTEBOOKS,
+                         ids=lambda p: os.path.relpath(p, os.path.join(REPO, "notebooks")))
+def test_a_cell_whose_committed_output_is_an_error_is_marked_as_expected(path):
+    """nbval and JupyterLab's Run All go on past such a cell only when it says the error is meant: the
+    cell tag raises-exception (the way for a %%ddp cell, whose first line must be the magic), or an
+    NBVAL_RAISES_EXCEPTION comment."""
+    for index, cell in enumerate(nbformat.read(path, as_version=4).cells):
+        if any(out.output_type == "error" for out in cell.get("outputs", [])):
+            assert ("raises-exception" in cell.metadata.get("tags", [])
+                    or "NBVAL_RAISES_EXCEPTION" in cell.source), f"cell {index}: an error output, not marked"

@@ -152,7 +152,7 @@ class Speedups(train.Plain):
             captured.release()
         if getattr(self, "_cudnn_benchmark_was", None) is not None:
             torch.backends.cudnn.benchmark = self._cudnn_benchmark_was
-        self._captured = self._stream = self._train_images = None
+        self._captured = self._stream = self._train_images = self._cudnn_benchmark_was = None
 
 
 def step(model: torch.nn.Module, images: torch.Tensor, labels: torch.Tensor, label_smoothing: float,
