@@ -88,23 +88,36 @@ LAUNCH = textwrap.dedent("""
 
     def where():
         import sys
-        return sys.pycache_prefix
+        import torch
+        preloaded = "torch._dynamo" in sys.modules and "torchvision" in sys.modules
+        import torchvision  # noqa: F401   (as a rank that trains a ResNet does; torch._dynamo with it)
+        return sys.pycache_prefix, preloaded
 
-    print(launch(where, 1, backend="gloo")[0])
+    print(*launch(where, 1, backend="gloo")[0])
 """)
 
 
 def test_the_fork_server_compiles_torch_once_and_its_ranks_share_it(tmp_path):
     """Two fresh programs in a row: the first fork server writes torch's bytecode into the folder, its
-    rank runs with it, and the second server reads those files rather than writing them again."""
+    rank runs with it, and the second server reads those files rather than writing them again.
+    torch._dynamo and torchvision, which take as long as torch to compile, are not in the folder for
+    the first server: it leaves them out (its first launch is seconds sooner), the rank that trains
+    compiles them into the folder, and the second server has them imported for its ranks."""
     target = tmp_path / "pycache"
     env = {"DDP_HELPERS_BYTECODE_CACHE": str(target), "PYTHONDONTWRITEBYTECODE": "1",
            "DDP_HELPERS_EARLY_FORKSERVER": "0"}
-    assert fresh_python(LAUNCH, env=env, timeout=300) == str(target)
+    assert fresh_python(LAUNCH, env=env, timeout=300) == f"{target} False"
     import torch
     compiled = os.path.join(str(target) + os.path.dirname(os.path.abspath(torch.__file__)),
                             f"__init__.{sys.implementation.cache_tag}.pyc")
     assert os.path.exists(compiled), sorted(os.listdir(target))
     written = os.stat(compiled).st_mtime_ns
-    assert fresh_python(LAUNCH, env=env, timeout=300) == str(target)
+    assert fresh_python(LAUNCH, env=env, timeout=300) == f"{target} True"
     assert os.stat(compiled).st_mtime_ns == written       # read, not compiled again
+
+
+def test_without_a_cache_the_fork_server_imports_torch_dynamo_for_its_ranks():
+    """Where no bytecode is kept, the server imports torch._dynamo and torchvision once, rather than
+    every rank that trains."""
+    env = {"DDP_HELPERS_BYTECODE_CACHE": "0", "DDP_HELPERS_EARLY_FORKSERVER": "0"}
+    assert fresh_python(LAUNCH, env=env, timeout=300) == "None True"

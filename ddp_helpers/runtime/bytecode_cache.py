@@ -34,18 +34,33 @@ def needed(module: str = "torch") -> bool:
     or a folder it cannot write)."""
     if sys.pycache_prefix:                      # where this Python keeps bytecode is set already
         return False
-    try:
-        spec = importlib.util.find_spec(module)  # finds, does not import
-    except (ImportError, ValueError):
+    source = _source(module)
+    if source is None:
         return False
-    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
-        return False
-    compiled = importlib.util.cache_from_source(spec.origin)
+    compiled = importlib.util.cache_from_source(source)
     if os.path.exists(compiled):
         return False
     folder = os.path.dirname(compiled)          # __pycache__, which Python makes if missing
     writable = os.access(folder if os.path.isdir(folder) else os.path.dirname(folder), os.W_OK)
     return sys.dont_write_bytecode or not writable
+
+
+def has_bytecode(module: str) -> bool:
+    """Is `module`'s compiled bytecode where this process would read it (beside its source, or under
+    its `sys.pycache_prefix`)? Its parent package is imported to find it; `module` is not."""
+    source = _source(module)
+    return source is not None and os.path.exists(importlib.util.cache_from_source(source))
+
+
+def _source(module: str) -> str | None:
+    """The .py file `module` would be imported from, found without importing it; None if none."""
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        return None
+    return spec.origin
 
 
 def private_folder(path: str) -> str | None:

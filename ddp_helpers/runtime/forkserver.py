@@ -22,16 +22,17 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-# What each rank finds imported, in this order. torch._dynamo: the first optimizer or DDP of a process
-# imports it, over a second in every rank of every launch that trains, where importing it once here costs
-# about as much once. torchvision: ResNet-18 and the per-image transforms. A name that fails to import is
+# What each rank finds imported, in this order. preload_training: torch._dynamo (the first optimizer or
+# DDP of a process imports it, over a second in every rank of every launch that trains, where importing
+# it once here costs about as much once) and torchvision (ResNet-18 and the per-image transforms), left
+# out on a fresh machine that keeps bytecode in the private cache. A name that fails to import is
 # skipped. First and last, two modules of ours: while the server imports, the garbage collector is off
 # (a quarter of the import's CPU time went to collections); at the end what it imported is frozen
 # (gc.freeze: the ranks' collections skip it, and leave its memory shared) and collection is on again.
 # Between them, the ranks' own modules: a rank's setup (rank_setup, which brings the error record, the
 # tutorial shims and the rest of a rank's side), launch's target (worker), running a cell
 # (cell_exec), the pool's (serve), and the store's process (store_host).
-PRELOAD = ["ddp_helpers.runtime.forkserver", "torch", "torch.distributed", "torch._dynamo", "torchvision",
+PRELOAD = ["ddp_helpers.runtime.forkserver", "torch", "torch.distributed", "ddp_helpers.runtime.preload_training",
            "cloudpickle", "psutil", "ddp_helpers.runtime.rank_setup", "ddp_helpers.runtime.worker",
            "ddp_helpers.runtime.cell_exec", "ddp_helpers.runtime.serve", "ddp_helpers.runtime.store_host",
            "ddp_helpers.runtime.forkserver_ready"]
