@@ -19,7 +19,7 @@ everything when the cell ends. With a warm pool the ranks stay up and keep
 their variables from cell to cell:
 
     %ddp start -n 4 -b gloo     # start the pool
-    %ddp status                 # PID, state and memory of each rank
+    %ddp status                 # PID, state and memory of each rank; the GPU leases, if any GPU
     %ddp push lr model          # copy notebook variables to every rank
     %ddp pull loss              # each rank's value of a variable
     %ddp stop                   # end the ranks
@@ -90,6 +90,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
+from . import gpu_leases
 from .launch_checks import NO_GPU_ZERO, check_seed, check_timeout, check_world_size, resolve_backend
 from .launch_errors import WorkerError
 from .launcher import launch
@@ -262,6 +263,8 @@ class DDPMagics(Magics):
             for row in pool.status():
                 memory = f"{row['memory_mib']:.0f} MiB" if row["memory_mib"] else "-"
                 print(f"rank {row['rank']}: pid {row['pid']}, {row['state']}, {memory}")
+            if gpu_leases.visible_gpus():    # which GPUs this kernel holds, and who holds the others
+                print("\n".join(gpu_leases.report()))
         elif command == "push":
             missing = [n for n in names if n not in self.shell.user_ns]
             if not names or missing:

@@ -148,7 +148,12 @@ def test_warm_pool_magics_in_a_kernel(tmp_path):
         "%%ddp\ndist.all_reduce(x)\nx",                      # x survived the previous cell
         "lr = 0.25\n%ddp push lr",
         "%ddp pull lr",
-        "%ddp status",
+        "import os, tempfile\n"                             # a GPU machine, as gpu_leases' tests fake one
+        "os.environ['DDP_HELPERS_FAKE_GPUS'] = 'GPU-aaaaaaaa-0000'\n"
+        "top = tempfile.mkdtemp(dir='/tmp'); os.chmod(top, 0o1777)\n"
+        "os.environ['DDP_HELPERS_GPU_LEASES'] = os.path.join(top, 'leases')\n"
+        "%ddp status\n"
+        "del os.environ['DDP_HELPERS_FAKE_GPUS']\nimport shutil; shutil.rmtree(top)",
         "import time\ntime.sleep(600)",                      # an unrelated cell, interrupted
         "%%ddp\nx",                                          # idle ranks ignored that interrupt
         "from ddp_helpers.magic import DDPMagics\n"
@@ -166,6 +171,7 @@ def test_warm_pool_magics_in_a_kernel(tmp_path):
     assert "[rank 0] tensor([3.])\n[rank 1] tensor([3.])" in text_of(out[3])
     assert "[rank 0] 0.25\n[rank 1] 0.25" in text_of(out[5])
     assert "rank 1: pid" in text_of(out[6]) and "idle" in text_of(out[6])
+    assert "GPU 0 (GPU-aaaaaaaa-0000): free" in text_of(out[6])          # a gloo pool holds no GPU
     assert [o.ename for o in out[7].outputs if o.output_type == "error"] == ["KeyboardInterrupt"]
     assert "[rank 0] tensor([3.])" in text_of(out[8]), "an interrupt elsewhere must not touch idle ranks"
     [error] = [o for o in out[10].outputs if o.output_type == "error"]
