@@ -369,3 +369,72 @@ def test_many_takers_at_once_never_share_a_gpu(shared, tmp_path, monkeypatch):
     got = [words[1] for words in said if words[0] == "got"]
     assert got in ([], [A]), said    # never one GPU twice
     assert len(got) >= 1 and len(got) + sum(w == ["busy"] for w in said) == racers, said
+
+
+def real_gpus():
+    """This machine's GPUs as nvidia-smi lists them, not the fake ones ([] without nvidia-smi)."""
+    saved = os.environ.pop(gpu_leases.FAKE_VAR, None)
+    try:
+        return gpu_leases.physical_gpus()
+    finally:
+        if saved is not None:
+            os.environ[gpu_leases.FAKE_VAR] = saved
+
+
+@pytest.mark.skipif(not real_gpus() or not torch.distributed.is_nccl_available(),
+                    reason="needs a GPU machine (nvidia-smi) and torch with NCCL")
+def test_two_kernels_on_the_real_gpus_the_second_is_told_at_once(tmp_path):
+    """Two learners' kernels on one GPU machine: the first starts a warm NCCL pool on every GPU, the
+    second asks for one GPU and is told at once who holds them, with no CUDA error and no rank started."""
+    from jupyter_client import KernelManager
+    top = tempfile.mkdtemp(prefix="leases-test-", dir="/tmp")
+    os.chmod(top, 0o1777)
+    env = {**os.environ, gpu_leases.FOLDER_VAR: os.path.join(top, "leases"),
+           "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
+    env.pop(gpu_leases.FAKE_VAR, None)
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    n = len(real_gpus())
+    kernels = []
+
+    def run(client, code):
+        out = []
+        reply = client.execute_interactive(code, timeout=seconds(120),
+                                           output_hook=lambda m: out.append(m["content"].get("text", "")))
+        assert reply["content"]["status"] == "ok", reply["content"]
+        return "".join(out)
+
+    try:
+        for _ in range(2):
+            km = KernelManager(kernel_name="python3")
+            km.start_kernel(cwd=REPO, env=env)
+            client = km.client()
+            client.start_channels()
+            client.wait_for_ready(timeout=seconds(60))
+            kernels.append((km, client))
+        (first_km, first), (_, second) = kernels
+        started = run(first, f"%load_ext ddp_helpers\n%ddp start -n {n} -b nccl\nimport os\nprint('pid', os.getpid())")
+        assert f"{n} ranks ready (nccl)" in started, started
+        first_pid = started.split("pid ")[-1].split()[0]
+        told = run(second, textwrap.dedent("""
+            import time
+            from ddp_helpers import launch
+            from ddp_helpers.gpu_leases import GpusBusy
+            start = time.monotonic()
+            try:
+                launch(print, 1, backend="nccl", quiet=True)
+            except GpusBusy as busy:
+                print(busy)
+            print(f"after {time.monotonic() - start:.3f} s")
+        """))
+        assert f"{n} of {n} GPUs are held: GPU 0 by " in told and f"(pid {first_pid}, a warm pool)" in told, told
+        assert float(told.split("after ")[-1].split()[0]) < seconds(2), told
+        status = run(first, "%ddp status")
+        assert "GPU 0 (" in status and "held by this process (a warm pool)" in status, status
+        assert "stopped" in run(first, "%ddp stop")                         # the pool lets go of its GPUs
+        assert "[1]" in run(second, "print(launch(lambda: __import__('torch').cuda.device_count(), 1, "
+                                    "backend='nccl', quiet=True))")
+    finally:
+        for km, client in kernels:
+            client.stop_channels()
+            km.shutdown_kernel(now=False)
+        shutil.rmtree(top, ignore_errors=True)
