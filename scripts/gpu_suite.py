@@ -11,6 +11,10 @@ It is the README's test command (`python -m pytest`) run in this process, with t
   slowest tests, every failure in one line, and the skip reasons;
 - the notebooks as this machine executed them (`notebooks/*.ipynb` in the output folder): on a GPU
   machine their live GPU cells show this machine's figures beside the stored references.
+- while it runs, `progress.log`: a line as each test starts and ends, so that a run cut short still
+  says what passed and what was running;
+- a test still running `--grace-s` after the budget is stuck: its threads' stacks go to
+  `stuck-<worker>.txt` (faulthandler), the run is interrupted, and the report names it.
 It is a script, not a test: it exits 0 when everything that ran passed and the budget held.
 """
 import argparse
@@ -18,7 +22,9 @@ import collections
 import datetime
 import os
 import platform
+import signal
 import sys
+import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,31 +53,74 @@ def machine_lines():
 
 NOT_RUN = "not run: the suite's time budget was spent"
 DEADLINE_ENV = "GPU_SUITE_DEADLINE"     # time.time() after which no test starts (read in each worker)
+GRACE_ENV = "GPU_SUITE_GRACE_S"         # a test still running this long after the deadline is stuck
+OUT_ENV = "GPU_SUITE_OUT"               # the output folder, where a stuck test's stacks go
+STACKS_WRITTEN_S = 5                    # after the grace: the stacks are written, the run is interrupted
 
 
 # Hooks of this module, loaded with `-p gpu_suite` in this process and in each pytest-xdist worker.
 def pytest_runtest_setup(item):
-    if time.time() > float(os.environ.get(DEADLINE_ENV, "inf")):
+    deadline = float(os.environ.get(DEADLINE_ENV, "inf"))
+    if time.time() > deadline:
         import pytest
         pytest.skip(NOT_RUN)
+    if OUT_ENV in os.environ and deadline != float("inf"):
+        _watch(item.nodeid, deadline + float(os.environ.get(GRACE_ENV, "60")))
 
 
-def pytest_runtest_makereport(item, call):
-    """A notebook cell's outputs travel with its report (from an xdist worker too)."""
-    outputs = getattr(item, "test_outputs", None)
-    if call.when == "call" and outputs is not None and hasattr(item, "cell_num"):
-        import json
-        item.user_properties.append(("nbval_cell", (str(item.parent.path), item.cell_num,
-                                                    json.dumps(outputs, default=str))))
+_watched = None   # (file, its size before this test's header, the header's size) while a test runs
+
+
+def _watch(nodeid, stuck_at):
+    """Should this test still run at `stuck_at`, faulthandler writes every thread's stack to this worker's file."""
+    import faulthandler
+    global _watched
+    path = os.path.join(os.environ[OUT_ENV], f"stuck-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.txt")
+    f = open(path, "ab")
+    before = os.fstat(f.fileno()).st_size
+    header = f"\n{nodeid}: still running {os.environ.get(GRACE_ENV, '60')} s after the budget; its threads:\n".encode()
+    f.write(header)
+    f.flush()
+    _watched = (f, before, len(header))
+    faulthandler.dump_traceback_later(max(stuck_at - time.time(), 0.1), file=f)
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    """The test ended in time: its header goes (that of a stuck test stays, above its stacks)."""
+    import faulthandler
+    global _watched
+    if _watched is None:
+        return
+    faulthandler.cancel_dump_traceback_later()
+    f, before, header = _watched
+    _watched = None
+    if os.fstat(f.fileno()).st_size == before + header:
+        f.truncate(before)
+    f.close()
 
 
 class Recorder:
     """Keeps each test's outcome, time and one-line reason, and each notebook cell's outputs."""
 
-    def __init__(self):
+    def __init__(self, progress_path=None):
         self.reports = {}                      # nodeid -> (outcome, seconds, one line)
         self.not_run = []
         self.cells = collections.defaultdict(dict)   # notebook path -> {code cell index: outputs}
+        self.running = {}                      # nodeid -> time.monotonic() when it started
+        self.started = time.monotonic()
+        self.progress = open(progress_path, "a", buffering=1) if progress_path else None
+
+    def _log(self, what, nodeid):
+        if self.progress:
+            self.progress.write(f"{time.monotonic() - self.started:7.1f} s  {what:<8} {nodeid}\n")
+
+    def pytest_runtest_logstart(self, nodeid, location):
+        self.running[nodeid] = time.monotonic()
+        self._log("start", nodeid)
+
+    def pytest_runtest_logfinish(self, nodeid, location):
+        self.running.pop(nodeid, None)
+        self._log(self.reports.get(nodeid, ("ended",))[0], nodeid)
 
     def pytest_runtest_logreport(self, report):
         import json
@@ -111,13 +160,20 @@ def write_notebooks(cells, folder):
             nbformat.write(nb, f)
 
 
-def report_lines(recorder, seconds, budget_s, machine):
-    counts = collections.Counter(outcome for outcome, _, _ in recorder.reports.values())
+def report_lines(recorder, seconds, budget_s, machine, out=None):
+    counts = collections.Counter(outcome for nodeid, (outcome, _, _) in recorder.reports.items()
+                                 if nodeid not in recorder.running)   # a stuck test passed its setup only
+    stuck = f", {len(recorder.running)} stuck" if recorder.running else ""
     lines = ["# Test suite on this machine", "", *[f"- {line}" for line in machine], "",
              f"- {recorder.workers} pytest-xdist workers" if recorder.workers else "- tests run one after another", "",
              f"**{counts['passed']} passed, {counts['failed'] + counts['error']} failed, "
-             f"{counts['skipped']} skipped, {len(recorder.not_run)} not run (budget)** "
+             f"{counts['skipped']} skipped, {len(recorder.not_run)} not run (budget){stuck}** "
              f"in {seconds:.0f} s (budget {budget_s:.0f} s)", ""]
+    if recorder.running:
+        now = time.monotonic()
+        lines += ["## Stuck: still running when the run was interrupted", ""]
+        lines += [f"- `{nodeid}`, for {now - began:.0f} s" for nodeid, began in recorder.running.items()]
+        lines += ["", f"Their threads' stacks: `stuck-*.txt` in {out or 'the output folder'}.", ""]
     failures = [(nodeid, line) for nodeid, (outcome, _, line) in recorder.reports.items()
                 if outcome in ("failed", "error")]
     if failures:
@@ -144,6 +200,9 @@ def main(argv=None):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budget-s", type=float, default=480.0,
                         help="no test starts after this many seconds (default 480: 8 minutes)")
+    parser.add_argument("--grace-s", type=float, default=60.0,
+                        help="a test still running this long after the budget is stuck: its stacks are "
+                             "written and the run is interrupted (default 60)")
     parser.add_argument("--out", default=os.path.join(REPO, "gpu-suite"),
                         help="folder for report.md, junit.xml and the executed notebooks")
     parser.add_argument("--workers", type=int, default=None,
@@ -151,8 +210,9 @@ def main(argv=None):
                              "machine has 8 cores or more, else none: tests run one after another)")
     parser.add_argument("pytest_args", nargs="*", help="more pytest arguments, after --")
     args = parser.parse_args(argv)
-    if args.budget_s <= 0:
-        parser.error("--budget-s must be positive")
+    if args.budget_s <= 0 or args.grace_s <= 0:
+        parser.error("--budget-s and --grace-s must be positive")
+    args.out = os.path.abspath(args.out)
     os.makedirs(args.out, exist_ok=True)
     import pytest
 
@@ -167,23 +227,33 @@ def main(argv=None):
     here = os.path.dirname(os.path.abspath(__file__))
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))
     sys.path.insert(0, here)
-    os.environ[DEADLINE_ENV] = str(time.time() + args.budget_s)
+    deadline = time.time() + args.budget_s
+    os.environ.update({DEADLINE_ENV: str(deadline), GRACE_ENV: str(args.grace_s), OUT_ENV: args.out})
     parallel = ["-n", str(workers), "--dist", "loadscope"] if workers else []  # a notebook stays in one worker
     print(f"{workers or 'no'} pytest-xdist workers", flush=True)
-    recorder = Recorder()
+    recorder = Recorder(os.path.join(args.out, "progress.log"))
     recorder.workers = workers
     start = time.monotonic()
-    code = pytest.main(["-p", "no:cacheprovider", "-p", "gpu_suite", *parallel,
-                        "--junitxml", os.path.join(args.out, "junit.xml"), *args.pytest_args],
-                       plugins=[recorder])
+    # A stuck test: once the workers have written its stacks (at the deadline plus the grace), interrupt
+    # the run as Ctrl-C would (pytest-xdist ends its workers), and report what was still running.
+    interrupt = threading.Timer(deadline + args.grace_s + STACKS_WRITTEN_S - time.time(), os.kill,
+                                (os.getpid(), signal.SIGINT))
+    interrupt.daemon = True
+    interrupt.start()
+    try:
+        code = pytest.main(["-p", "no:cacheprovider", "-p", "gpu_suite", *parallel,
+                            "--junitxml", os.path.join(args.out, "junit.xml"), *args.pytest_args],
+                           plugins=[recorder])
+    finally:
+        interrupt.cancel()
     seconds = time.monotonic() - start
     write_notebooks(recorder.cells, os.path.join(args.out, "notebooks"))
-    lines = report_lines(recorder, seconds, args.budget_s, machine)
+    lines = report_lines(recorder, seconds, args.budget_s, machine, args.out)
     with open(os.path.join(args.out, "report.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print(next(line for line in lines if line.startswith("**")))
     print(f"report: {os.path.join(args.out, 'report.md')}")
-    over = seconds > args.budget_s or recorder.not_run
+    over = seconds > args.budget_s or recorder.not_run or recorder.running
     return 1 if (code != 0 or over) else 0
 
 
