@@ -68,6 +68,15 @@ def pytest_runtest_setup(item):
         _watch(item.nodeid, deadline + float(os.environ.get(GRACE_ENV, "60")))
 
 
+def pytest_runtest_makereport(item, call):
+    """A notebook cell's outputs travel with its report (from an xdist worker too)."""
+    outputs = getattr(item, "test_outputs", None)
+    if call.when == "call" and outputs is not None and hasattr(item, "cell_num"):
+        import json
+        item.user_properties.append(("nbval_cell", (str(item.parent.path), item.cell_num,
+                                                    json.dumps(outputs, default=str))))
+
+
 _watched = None   # (file, its size before this test's header, the header's size) while a test runs
 
 
@@ -108,7 +117,8 @@ class Recorder:
         self.cells = collections.defaultdict(dict)   # notebook path -> {code cell index: outputs}
         self.running = {}                      # nodeid -> time.monotonic() when it started
         self.started = time.monotonic()
-        self.progress = open(progress_path, "a", buffering=1) if progress_path else None
+        self.progress = open(progress_path, "w", buffering=1) if progress_path else None
+        self.interrupted = False               # by the timer, for tests still running past the grace
 
     def _log(self, what, nodeid):
         if self.progress:
@@ -124,6 +134,8 @@ class Recorder:
 
     def pytest_runtest_logreport(self, report):
         import json
+        if report.when == "???":               # its xdist worker crashed: it ends here (no logfinish)
+            self.running.pop(report.nodeid, None)
         outcome, seconds, line = self.reports.get(report.nodeid, ("passed", 0.0, ""))
         seconds += report.duration
         if report.failed:
@@ -163,6 +175,8 @@ def write_notebooks(cells, folder):
 def report_lines(recorder, seconds, budget_s, machine, out=None):
     counts = collections.Counter(outcome for nodeid, (outcome, _, _) in recorder.reports.items()
                                  if nodeid not in recorder.running)   # a stuck test passed its setup only
+    if not recorder.interrupted:
+        recorder.running.clear()
     stuck = f", {len(recorder.running)} stuck" if recorder.running else ""
     lines = ["# Test suite on this machine", "", *[f"- {line}" for line in machine], "",
              f"- {recorder.workers} pytest-xdist workers" if recorder.workers else "- tests run one after another", "",
@@ -214,6 +228,9 @@ def main(argv=None):
         parser.error("--budget-s and --grace-s must be positive")
     args.out = os.path.abspath(args.out)
     os.makedirs(args.out, exist_ok=True)
+    for name in os.listdir(args.out):          # an earlier run's stacks would mislead
+        if name.startswith("stuck-") and name.endswith(".txt"):
+            os.remove(os.path.join(args.out, name))
     import pytest
 
     os.chdir(REPO)
@@ -236,14 +253,20 @@ def main(argv=None):
     start = time.monotonic()
     # A stuck test: once the workers have written its stacks (at the deadline plus the grace), interrupt
     # the run as Ctrl-C would (pytest-xdist ends its workers), and report what was still running.
-    interrupt = threading.Timer(deadline + args.grace_s + STACKS_WRITTEN_S - time.time(), os.kill,
-                                (os.getpid(), signal.SIGINT))
+    def interrupt_if_stuck():
+        if recorder.running:
+            recorder.interrupted = True
+            os.kill(os.getpid(), signal.SIGINT)
+
+    interrupt = threading.Timer(deadline + args.grace_s + STACKS_WRITTEN_S - time.time(), interrupt_if_stuck)
     interrupt.daemon = True
     interrupt.start()
     try:
         code = pytest.main(["-p", "no:cacheprovider", "-p", "gpu_suite", *parallel,
                             "--junitxml", os.path.join(args.out, "junit.xml"), *args.pytest_args],
                            plugins=[recorder])
+    except KeyboardInterrupt:                  # one that reached past pytest's own handling
+        code = 2
     finally:
         interrupt.cancel()
     seconds = time.monotonic() - start
