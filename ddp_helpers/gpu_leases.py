@@ -125,11 +125,14 @@ def default_wait() -> float:
 
 
 # ------------------------------------------------------------------ the folder
-def folder() -> str:
-    """The lease folder every user of this machine finds (made if missing)."""
+def folder(make: bool = True) -> str | None:
+    """The lease folder every user of this machine finds (made if missing; with make=False, None
+    where none is made yet: nobody has leased a GPU, and looking makes nothing)."""
     base = os.environ.get(FOLDER_VAR) or DEFAULT_FOLDER
     problems = []
     for path in [base] + [f"{base}-{i}" for i in range(2, FALLBACKS + 1)]:
+        if not make and not os.path.lexists(path):
+            return None
         problem = _usable(path)
         if problem is None:
             return path
@@ -326,7 +329,13 @@ def report() -> list[str]:
     gpus = visible_gpus()
     if not gpus:
         return ["GPU leases: no GPU visible"]
-    where = folder()
+    try:
+        where = folder(make=False)   # a report makes no folder (the first of a class should be root's)
+    except RuntimeError as exc:
+        return [f"GPU leases: {exc}"]
+    if where is None:
+        return ["GPU leases: none taken yet (no lease folder)"] + [f"  GPU {index} ({name}): free"
+                                                                  for index, (_, name) in enumerate(gpus)]
     ours = {g[1]: lease.what for lease in _held for g in lease.gpus}
     lines = [f"GPU leases ({where}, folder owned by {_user(os.lstat(where).st_uid)}):"]
     for index, (key, name) in enumerate(gpus):

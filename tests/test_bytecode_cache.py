@@ -121,3 +121,27 @@ def test_without_a_cache_the_fork_server_imports_torch_dynamo_for_its_ranks():
     every rank that trains."""
     env = {"DDP_HELPERS_BYTECODE_CACHE": "0", "DDP_HELPERS_EARLY_FORKSERVER": "0"}
     assert fresh_python(LAUNCH, env=env, timeout=300) == "None True"
+
+
+HAS = textwrap.dedent("""
+    import sys
+    from ddp_helpers.runtime import bytecode_cache
+    print(bytecode_cache.has_bytecode(sys.argv[1]))
+""")
+
+
+def test_has_bytecode_says_whether_importing_would_compile(package):
+    """What the fork server asks before it imports torch._dynamo: compiled from source, it would take
+    as long as torch."""
+    import py_compile
+    env = {"PYTHONDONTWRITEBYTECODE": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{package.parent}"}
+    assert fresh_python(HAS, "shipped_bare", env=env) == "False"
+    assert fresh_python(HAS, "no_such_module", env=env) == "False"
+    py_compile.compile(str(package / "__init__.py"), doraise=True)    # beside it, in __pycache__
+    assert fresh_python(HAS, "shipped_bare", env=env) == "True"
+    assert fresh_python(HAS, "shipped_bare", env={**env, "PYTHONPYCACHEPREFIX": str(package.parent / "elsewhere")}) \
+        == "False"                                                    # read from the prefix only
+    bare = package.parent / "bytecode_only"
+    bare.mkdir()
+    py_compile.compile(str(package / "__init__.py"), cfile=str(bare / "__init__.pyc"), doraise=True)
+    assert fresh_python(HAS, "bytecode_only", env=env) == "True"     # no source: nothing to compile

@@ -253,6 +253,8 @@ def test_a_squatter_blocks_nobody(shared):
 
 
 def test_report_shows_what_this_process_holds_and_who_holds_the_rest(shared, capsys):
+    gpu_leases.show()                                  # before any lease: all free, and no folder made
+    assert f"GPU 0 ({A}): free" in capsys.readouterr().out and not os.path.exists(shared)
     holder = Holder(1)
     try:
         with gpu_leases.take(1, what="a launch"):
@@ -383,7 +385,7 @@ def real_gpus():
 
 @pytest.mark.skipif(not real_gpus() or not torch.distributed.is_nccl_available(),
                     reason="needs a GPU machine (nvidia-smi) and torch with NCCL")
-def test_two_kernels_on_the_real_gpus_the_second_is_told_at_once(tmp_path):
+def test_two_kernels_on_the_real_gpus_the_second_is_told_at_once():
     """Two learners' kernels on one GPU machine: the first starts a warm NCCL pool on every GPU, the
     second asks for one GPU and is told at once who holds them, with no CUDA error and no rank started."""
     from jupyter_client import KernelManager

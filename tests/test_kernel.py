@@ -148,12 +148,16 @@ def test_warm_pool_magics_in_a_kernel(tmp_path):
         "%%ddp\ndist.all_reduce(x)\nx",                      # x survived the previous cell
         "lr = 0.25\n%ddp push lr",
         "%ddp pull lr",
-        "import os, tempfile\n"                             # a GPU machine, as gpu_leases' tests fake one
+        "import os, shutil, tempfile\n"                     # a GPU machine, as gpu_leases' tests fake one
+        "saved = dict(os.environ)\n"
+        "os.environ.pop('CUDA_VISIBLE_DEVICES', None)\n"
         "os.environ['DDP_HELPERS_FAKE_GPUS'] = 'GPU-aaaaaaaa-0000'\n"
-        "top = tempfile.mkdtemp(dir='/tmp'); os.chmod(top, 0o1777)\n"
+        "top = tempfile.mkdtemp(dir='/tmp')\n"
         "os.environ['DDP_HELPERS_GPU_LEASES'] = os.path.join(top, 'leases')\n"
-        "%ddp status\n"
-        "del os.environ['DDP_HELPERS_FAKE_GPUS']\nimport shutil; shutil.rmtree(top)",
+        "try:\n"
+        "    get_ipython().run_line_magic('ddp', 'status')\n"
+        "finally:\n"
+        "    os.environ.clear(); os.environ.update(saved); shutil.rmtree(top)",
         "import time\ntime.sleep(600)",                      # an unrelated cell, interrupted
         "%%ddp\nx",                                          # idle ranks ignored that interrupt
         "from ddp_helpers.magic import DDPMagics\n"

@@ -46,10 +46,18 @@ def needed(module: str = "torch") -> bool:
 
 
 def has_bytecode(module: str) -> bool:
-    """Is `module`'s compiled bytecode where this process would read it (beside its source, or under
-    its `sys.pycache_prefix`)? Its parent package is imported to find it; `module` is not."""
-    source = _source(module)
-    return source is not None and os.path.exists(importlib.util.cache_from_source(source))
+    """Would importing `module` compile nothing? True where its bytecode is where this process reads it
+    (beside its source, or under its `sys.pycache_prefix`), or where it has no source (shipped as
+    bytecode, or compiled code); False where it is not found. Its parent package is imported to find
+    it; `module` is not."""
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return False
+    if spec is None:
+        return False
+    source = spec.origin if spec.origin and spec.origin.endswith(".py") else None
+    return source is None or os.path.exists(importlib.util.cache_from_source(source))
 
 
 def _source(module: str) -> str | None:
