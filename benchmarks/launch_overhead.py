@@ -3,12 +3,16 @@ first cell that launches), and a repeat launch, against bare torch.multiprocessi
 but unsafe once the parent touched CUDA) and with spawn (safe, slow)? All measured in this one run.
 
     python benchmarks/launch_overhead.py [--repeats 20] [--first-launches 3] [--backend nccl --world-size 1]
+                                         [--torch-first]
 
 The job: init_process_group, one all_reduce of one float, destroy_process_group.
 The first launch is measured in fresh Python processes, right after `import ddp_helpers` (timed
 too), in both ways the fork server can start: at `import ddp_helpers` (what a Jupyter kernel does;
 DDP_HELPERS_EARLY_FORKSERVER=1 here) or at the first launch (what a script does; =0). Right after
 the import is the worst case for the first: in a notebook, cells usually run in between.
+`--torch-first`: the fresh process imports torch before ddp_helpers, as the notebooks' first cells do;
+then the fork server starts only once the process has imported torch, and the first launch waits for
+the server's whole import.
 """
 import argparse
 import json
@@ -18,6 +22,8 @@ import sys
 import time
 
 if __name__ == "__main__" and "--first-only" in sys.argv:   # a fresh process: time the import itself
+    if "--torch-first" in sys.argv:
+        import torch  # noqa: F401
     _start = time.perf_counter()
     import ddp_helpers  # noqa: F401
     IMPORT_S = time.perf_counter() - _start
@@ -74,7 +80,7 @@ def first_launches(args, early):
     runs = []
     for _ in range(args.first_launches):
         done = subprocess.run([sys.executable, HERE, "--first-only", "--backend", args.backend,
-                               "--world-size", str(args.world_size)],
+                               "--world-size", str(args.world_size), *(["--torch-first"] if args.torch_first else [])],
                               env=env, capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
             raise RuntimeError(f"the fresh process failed:\n{done.stdout}\n{done.stderr}")
@@ -89,6 +95,8 @@ def main():
     parser.add_argument("--first-launches", type=int, default=3, help="fresh processes for each way")
     parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--torch-first", action="store_true",
+                        help="the fresh processes import torch before ddp_helpers, as the notebooks do")
     parser.add_argument("--first-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.first_only:
@@ -98,7 +106,8 @@ def main():
         return
     med = statistics.median
     print(machine.summary_line())
-    print(f"{args.world_size} rank(s), {args.backend}; first launches: {args.first_launches} fresh processes each way")
+    print(f"{args.world_size} rank(s), {args.backend}; first launches: {args.first_launches} fresh processes each way"
+          + (", each importing torch before ddp_helpers" if args.torch_first else ""))
     for early, how in ((True, "at import (a Jupyter kernel)"), (False, "at the first launch (a script)")):
         runs = first_launches(args, early)
         print(f"fork server started {how}:")
