@@ -39,7 +39,8 @@ TIME_SCALE = float(os.environ.get("DDP_HELPERS_TEST_TIME_SCALE", "3"))
 
 MINI = os.environ.get(data.ENV_VAR)  # the offline CIFAR-10 subset, if .ci/run (or you) set it
 # NCCL launches lease their GPUs (ddp_helpers.gpu_leases): the workers of one suite on one GPU, and the
-# notebooks' kernels they start, take turns instead of being refused.
+# notebooks' kernels they start, take turns instead of being refused. A test of being told at once
+# must clear it for its processes (as test_gpu_leases does): with it they wait up to 600 s instead.
 os.environ.setdefault("DDP_HELPERS_GPU_WAIT", "600")
 needs_mini = pytest.mark.skipif(
     not MINI,
