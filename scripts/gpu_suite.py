@@ -173,20 +173,19 @@ def write_notebooks(cells, folder):
 
 
 def report_lines(recorder, seconds, budget_s, machine, out=None):
+    stuck_tests = recorder.running if recorder.interrupted else {}
     counts = collections.Counter(outcome for nodeid, (outcome, _, _) in recorder.reports.items()
-                                 if nodeid not in recorder.running)   # a stuck test passed its setup only
-    if not recorder.interrupted:
-        recorder.running.clear()
-    stuck = f", {len(recorder.running)} stuck" if recorder.running else ""
+                                 if nodeid not in stuck_tests)   # a stuck test passed its setup only
+    stuck = f", {len(stuck_tests)} stuck" if stuck_tests else ""
     lines = ["# Test suite on this machine", "", *[f"- {line}" for line in machine], "",
              f"- {recorder.workers} pytest-xdist workers" if recorder.workers else "- tests run one after another", "",
              f"**{counts['passed']} passed, {counts['failed'] + counts['error']} failed, "
              f"{counts['skipped']} skipped, {len(recorder.not_run)} not run (budget){stuck}** "
              f"in {seconds:.0f} s (budget {budget_s:.0f} s)", ""]
-    if recorder.running:
+    if stuck_tests:
         now = time.monotonic()
         lines += ["## Stuck: still running when the run was interrupted", ""]
-        lines += [f"- `{nodeid}`, for {now - began:.0f} s" for nodeid, began in recorder.running.items()]
+        lines += [f"- `{nodeid}`, for {now - began:.0f} s" for nodeid, began in stuck_tests.items()]
         lines += ["", f"Their threads' stacks: `stuck-*.txt` in {out or 'the output folder'}.", ""]
     failures = [(nodeid, line) for nodeid, (outcome, _, line) in recorder.reports.items()
                 if outcome in ("failed", "error")]
@@ -276,7 +275,7 @@ def main(argv=None):
         f.write("\n".join(lines) + "\n")
     print(next(line for line in lines if line.startswith("**")))
     print(f"report: {os.path.join(args.out, 'report.md')}")
-    over = seconds > args.budget_s or recorder.not_run or recorder.running
+    over = seconds > args.budget_s or recorder.not_run or recorder.interrupted
     return 1 if (code != 0 or over) else 0
 
 

@@ -17,6 +17,7 @@ used: bytecode there would run in every rank.
 import importlib.util
 import os
 import sys
+from importlib.machinery import ModuleSpec
 
 from . import run_dirs
 
@@ -34,7 +35,8 @@ def needed(module: str = "torch") -> bool:
     or a folder it cannot write)."""
     if sys.pycache_prefix:                      # where this Python keeps bytecode is set already
         return False
-    source = _source(module)
+    spec = _find(module)
+    source = _source(spec)
     if source is None:
         return False
     compiled = importlib.util.cache_from_source(source)
@@ -50,25 +52,22 @@ def has_bytecode(module: str) -> bool:
     (beside its source, or under its `sys.pycache_prefix`), or where it has no source (shipped as
     bytecode, or compiled code); False where it is not found. Its parent package is imported to find
     it; `module` is not."""
-    try:
-        spec = importlib.util.find_spec(module)
-    except (ImportError, ValueError):
-        return False
-    if spec is None:
-        return False
-    source = spec.origin if spec.origin and spec.origin.endswith(".py") else None
-    return source is None or os.path.exists(importlib.util.cache_from_source(source))
+    spec = _find(module)
+    source = _source(spec)
+    return spec is not None and (source is None or os.path.exists(importlib.util.cache_from_source(source)))
 
 
-def _source(module: str) -> str | None:
-    """The .py file `module` would be imported from, found without importing it; None if none."""
+def _find(module: str) -> ModuleSpec | None:
+    """`module`'s import spec, found without importing it (its parent package is); None if not found."""
     try:
-        spec = importlib.util.find_spec(module)
+        return importlib.util.find_spec(module)
     except (ImportError, ValueError):
         return None
-    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
-        return None
-    return spec.origin
+
+
+def _source(spec: ModuleSpec | None) -> str | None:
+    """The .py file a spec imports from; None if it has none."""
+    return spec.origin if spec is not None and spec.origin and spec.origin.endswith(".py") else None
 
 
 def private_folder(path: str) -> str | None:

@@ -11,7 +11,12 @@ server rather than in every rank.
 """
 from . import bytecode_cache, forkserver
 
-if forkserver.BYTECODE_CACHE is None or bytecode_cache.has_bytecode("torch._dynamo"):
+
+def _compiled(module: str) -> bool:
+    return forkserver.BYTECODE_CACHE is None or bytecode_cache.has_bytecode(module)
+
+
+if _compiled("torch._dynamo"):
     import torch._dynamo  # noqa: F401
-    if forkserver.BYTECODE_CACHE is None or bytecode_cache.has_bytecode("torchvision"):
+    if _compiled("torchvision"):   # it imports torch._dynamo: never before it
         import torchvision  # noqa: F401
